@@ -1,0 +1,36 @@
+"""OpenAI-compatible protocol models (pydantic v2) and the request → SamplingParams mapping."""
+from api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    ErrorInfo,
+    ErrorResponse,
+    KVCompressionParams,
+    ModelCard,
+    ModelList,
+    RequestError,
+    StreamOptions,
+    UsageInfo,
+    to_sampling_params,
+)
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatCompletionStreamResponse",
+    "CompletionRequest",
+    "CompletionResponse",
+    "CompletionStreamResponse",
+    "ErrorInfo",
+    "ErrorResponse",
+    "KVCompressionParams",
+    "ModelCard",
+    "ModelList",
+    "RequestError",
+    "StreamOptions",
+    "UsageInfo",
+    "to_sampling_params",
+]

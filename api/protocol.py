@@ -1,0 +1,471 @@
+"""Pydantic v2 models of the OpenAI HTTP protocol as kvllm serves it, plus kvllm's extensions.
+
+Follows vLLM's OpenAI-compatible server (see docs in ``../shared/research/conventions.md`` §1):
+
+* ``/v1/completions`` and ``/v1/chat/completions`` request bodies with the OpenAI fields and vLLM's sampling
+  extras (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
+  ``skip_special_tokens``), sent as top-level keys (the openai SDK's ``extra_body``).
+* kvllm's per-request ``kv_compression``: the string ``"none"`` (or a method name), or an object with the
+  fields of ``compression.KVCompressionConfig`` (``method``, ``ratio``, ``window``, ``buffer``, ``chunk_max``,
+  ``chunk_budget``, ...). Unknown keys inside it are rejected (a typo must not silently change nothing).
+* Unknown top-level fields are accepted and ignored, as in vLLM (``extra="allow"``); the server logs them.
+* Response, streaming-chunk, usage, model-list and error shapes (``{"error": {message, type, param, code}}``).
+
+`to_sampling_params` maps a validated request to the engine's `SamplingParams`; every problem it finds is
+raised as `RequestError` (HTTP 400 in the OpenAI error shape) naming the offending parameter.
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from compression.base import METHODS
+
+# int64 range, like vLLM's seed bounds (torch generators take 64-bit seeds).
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+#: Largest `n` (choices per prompt) accepted.
+MAX_N = 128
+#: Largest number of top logprobs per token (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+#: Temperatures in (0, MIN_TEMPERATURE) are raised to it (vLLM does the same: tiny temperatures overflow).
+MIN_TEMPERATURE = 1e-2
+
+KVMethod = Literal[METHODS]  # type: ignore[valid-type]
+
+
+class RequestError(Exception):
+    """An invalid request: rendered as an OpenAI error object with this status (400 unless told)."""
+
+    def __init__(self, message: str, param: str | None = None, status_code: int = 400,
+                 err_type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status_code = status_code
+        self.err_type = err_type
+        self.headers = headers
+
+
+def random_uuid() -> str:
+    return uuid.uuid4().hex
+
+
+# --------------------------------------------------------------------------------------------- base classes
+class OpenAIBaseModel(BaseModel):
+    """Request base: unknown fields are kept (and ignored), as in vLLM's OpenAIBaseModel."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ------------------------------------------------------------------------------------------- kv compression
+class KVCompressionParams(_Strict):
+    """Per-request KV-cache compression settings (fields of ``compression.KVCompressionConfig``).
+
+    Omitted fields take the server's configured value (or the config defaults). Cross-field rules
+    (``buffer < window``, ``compression_period >= window - buffer``, ...) are checked by the engine and
+    reported as 400 errors naming the field.
+    """
+
+    method: Optional[KVMethod] = Field(None, description="Compression method; 'none' disables compression.")
+    ratio: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False,
+                                   description="Fraction r of each window's compressible region kept (TopK).")
+    window: Optional[int] = Field(None, ge=2, description="Sliding window |W| in tokens.")
+    buffer: Optional[int] = Field(None, ge=1, description="Newest |U| tokens of the window kept uncompressed.")
+    chunk_max: Optional[int] = Field(None, ge=1, description="Token2Chunk: largest gap γ filled.")
+    chunk_budget: Optional[int] = Field(None, ge=0, description="Token2Chunk: tokens α added per window.")
+    compression_period: Optional[int] = Field(None, ge=1, description="Decode steps between compression rounds.")
+    max_seqs_per_round: Optional[int] = Field(None, ge=1)
+    compress_prompt: Optional[bool] = None
+    threshold_max: Optional[int] = Field(None, ge=1, description="threshold method: KV length that triggers.")
+    threshold_target: Optional[int] = Field(None, ge=1, description="threshold method: KV length kept.")
+    observation_window: Optional[int] = Field(None, ge=1)
+    snapkv_kernel: Optional[int] = Field(None, ge=1)
+    seed: Optional[int] = Field(None, ge=0, le=_INT64_MAX)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+KVCompressionField = Optional[Union[KVMethod, KVCompressionParams]]
+
+
+# ------------------------------------------------------------------------------------------- request parts
+class StreamOptions(_Strict):
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model: Optional[str] = Field(None, description="Served model name; defaults to the first one.")
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
+    temperature: Optional[float] = Field(None, ge=0, allow_inf_nan=False, description="Default 1.0; 0 is greedy.")
+    top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
+    presence_penalty: Optional[float] = Field(0.0, ge=-2, le=2, allow_inf_nan=False,
+                                              description="Only 0 is supported.")
+    frequency_penalty: Optional[float] = Field(0.0, ge=-2, le=2, allow_inf_nan=False,
+                                               description="Only 0 is supported.")
+    logit_bias: Optional[dict[str, float]] = Field(None, description="Not supported (must be empty).")
+    user: Optional[str] = None
+    # vLLM sampling extras
+    top_k: Optional[int] = Field(None, ge=-1, description="0 or -1 disables top-k.")
+    min_p: Optional[float] = Field(None, ge=0, le=1, allow_inf_nan=False, description="Only 0 is supported.")
+    repetition_penalty: Optional[float] = Field(None, gt=0, allow_inf_nan=False,
+                                                description="Only 1 is supported.")
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # kvllm extension
+    kv_compression: KVCompressionField = Field(
+        None, description="Per-request KV compression: 'none', a method name, or an object of settings.")
+
+    @model_validator(mode="after")
+    def _check_stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- completions
+PromptType = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptType = Field(..., description="A string, a list of strings, token ids, or lists of token ids.")
+    max_tokens: Optional[int] = Field(16, ge=1, description="Default 16; null: up to the context limit.")
+    echo: Optional[bool] = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: Optional[int] = Field(None, ge=1, description="Only equal to n is supported.")
+    suffix: Optional[str] = Field(None, description="Not supported.")
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompt(s) as a list of strings or token-id lists (each one a separate completion)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise RequestError("prompt must not be empty", "prompt")
+        if isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------------- chat
+class TextContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[TextContentPart]]] = None
+    name: Optional[str] = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            d["content"] = "\n".join(part.text for part in self.content)
+        elif self.content is None:
+            d["content"] = ""
+        return d
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: Optional[int] = Field(None, ge=1, description="Default: up to the context limit.")
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    response_format: Optional[dict[str, Any]] = Field(None, description="Only {'type': 'text'} is supported.")
+    tools: Optional[list[dict[str, Any]]] = Field(None, description="Not supported (must be empty).")
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+
+
+# --------------------------------------------------------------------------------------------- responses
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"cmpl-{random_uuid()}")
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-{random_uuid()}")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatCompletionResponseStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kvllm"
+    root: Optional[str] = None
+    parent: Optional[str] = None
+    max_model_len: Optional[int] = None
+    permission: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                404: "NotFoundError", 405: "MethodNotAllowedError", 409: "ConflictError",
+                413: "RequestEntityTooLargeError", 415: "UnsupportedMediaTypeError",
+                422: "UnprocessableEntityError", 429: "RateLimitError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
+
+
+def error_body(status_code: int, message: str, param: str | None = None, err_type: str | None = None) -> dict:
+    """The OpenAI error object as a plain dict (code is the HTTP status, as in current vLLM)."""
+    if err_type is None:
+        err_type = _ERROR_TYPES.get(status_code, "InternalServerError" if status_code >= 500 else "BadRequestError")
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param,
+                                         code=status_code)).model_dump()
+
+
+# ------------------------------------------------------------------------------------ → SamplingParams
+_SAMPLING_PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens", "stop",
+                         "stop_token_ids", "logprobs", "kv_compression")
+
+
+def _param_from_message(message: str, default: str | None = None) -> str | None:
+    """The parameter an engine ValueError names (its messages start with the field name)."""
+    head = message.split(" ", 1)[0].rstrip(":,")
+    if head.startswith("kv_compression"):
+        return head if head != "kv_compression" else "kv_compression"
+    if head in _SAMPLING_PARAM_NAMES:
+        return head
+    return default
+
+
+def _check_unsupported(req: _SamplingFields) -> None:
+    if req.presence_penalty:
+        raise RequestError("presence_penalty is not supported by kvllm (only 0)", "presence_penalty")
+    if req.frequency_penalty:
+        raise RequestError("frequency_penalty is not supported by kvllm (only 0)", "frequency_penalty")
+    if req.repetition_penalty is not None and req.repetition_penalty != 1.0:
+        raise RequestError("repetition_penalty is not supported by kvllm (only 1)", "repetition_penalty")
+    if req.min_p:
+        raise RequestError("min_p is not supported by kvllm (only 0)", "min_p")
+    if req.logit_bias:
+        raise RequestError("logit_bias is not supported by kvllm", "logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise RequestError("suffix is not supported by kvllm", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise RequestError("best_of is not supported by kvllm (it must equal n)", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise RequestError("echo together with logprobs is not supported by kvllm (no prompt logprobs)",
+                               "echo")
+    if isinstance(req, ChatCompletionRequest):
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise RequestError("response_format other than {'type': 'text'} is not supported by kvllm",
+                               "response_format")
+        if req.tools:
+            raise RequestError("tools are not supported by kvllm", "tools")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+        if req.add_generation_prompt and req.continue_final_message:
+            raise RequestError("add_generation_prompt and continue_final_message cannot both be true",
+                               "continue_final_message")
+
+
+def kv_compression_value(value: KVCompressionField, base: Any = None) -> Any:
+    """The request's kv_compression as SamplingParams takes it: None, a method name, or a config.
+
+    With ``base`` (the server's ``KVCompressionConfig``), an object's omitted fields take the server's values.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    d = value.to_dict()
+    if base is not None:
+        from compression.base import KVCompressionConfig
+
+        if isinstance(base, KVCompressionConfig):
+            try:
+                return KVCompressionConfig.from_dict(d, base=base)
+            except ValueError as err:
+                raise RequestError(str(err), _param_from_message(str(err), "kv_compression")) from None
+    return d
+
+
+def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], *, vocab_size: int | None = None,
+                       kv_compression_base: Any = None):
+    """Map a validated request to the engine's SamplingParams; raises RequestError (400) naming the field."""
+    from engine.sampling_params import SamplingParams
+
+    _check_unsupported(req)
+    if isinstance(req, ChatCompletionRequest):
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        max_tokens = req.max_tokens
+        logprobs = req.logprobs
+    temperature = 1.0 if req.temperature is None else float(req.temperature)
+    if 0 < temperature < MIN_TEMPERATURE:
+        temperature = MIN_TEMPERATURE
+    top_k = 0 if req.top_k is None else int(req.top_k)
+    if vocab_size is not None and top_k >= vocab_size:
+        top_k = 0  # keeping the whole vocabulary is no top-k at all
+    stop = req.stop
+    if isinstance(stop, list) and not stop:
+        stop = None
+    if max_tokens is not None and req.min_tokens > max_tokens:
+        raise RequestError(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
+    kv = kv_compression_value(req.kv_compression, kv_compression_base)
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=temperature,
+            top_p=1.0 if req.top_p is None else float(req.top_p),
+            top_k=top_k,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids) if req.stop_token_ids else None,
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            kv_compression=kv,
+        )
+    except ValueError as err:
+        raise RequestError(str(err), _param_from_message(str(err))) from None
+
+
+def clamp_logprob(value: float) -> float:
+    """-inf is not valid JSON: clamp it like vLLM (-9999.0)."""
+    if value is None or math.isnan(value):
+        return -9999.0
+    return max(float(value), -9999.0)

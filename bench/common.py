@@ -1,0 +1,63 @@
+"""Shared benchmark helpers: real-text prompts and result-table output."""
+from __future__ import annotations
+
+import datetime
+import glob
+import os
+import platform
+import statistics
+from pathlib import Path
+
+LICENSES = "/usr/share/common-licenses"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def real_text() -> str:
+    """Plain English text available on every Debian machine (the license texts), then stdlib sources."""
+    parts = []
+    for path in sorted(glob.glob(f"{LICENSES}/*")):
+        if os.path.isfile(path) and not os.path.islink(path):
+            parts.append(Path(path).read_text(errors="ignore"))
+    if not parts:  # fall back on Python's own sources
+        import inspect
+        import textwrap
+
+        parts.append(textwrap.dedent(inspect.getsource(textwrap)))
+    return "\n\n".join(parts)
+
+
+def text_prompts(tokenizer, num: int, length: int, seed: int = 0) -> list[list[int]]:
+    """`num` prompts of exactly `length` token ids cut from real text at spread-out offsets."""
+    import random
+
+    ids = tokenizer(real_text()).input_ids
+    rng = random.Random(seed)
+    starts = [rng.randrange(0, len(ids) - length) for _ in range(num)]
+    return [ids[s:s + length] for s in starts]
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def machine() -> str:
+    import torch
+
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def write_section(title: str, command: str, body: str) -> None:
+    """Replace (or append) the `## title` section of docs/benchmarks.md."""
+    DOCS.parent.mkdir(exist_ok=True)
+    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n\nEvery table is written by the script named in its command line.\n"
+    stamp = datetime.date.today().isoformat()
+    section = f"## {title}\n\n`{command}` ({stamp}, {machine()})\n\n{body.strip()}\n"
+    marker = f"## {title}\n"
+    if marker in text:
+        head, rest = text.split(marker, 1)
+        nxt = rest.find("\n## ")
+        tail = rest[nxt + 1:] if nxt != -1 else ""
+        text = head + section + ("\n" + tail if tail else "")
+    else:
+        text = text.rstrip() + "\n\n" + section
+    DOCS.write_text(text)

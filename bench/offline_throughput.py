@@ -1,0 +1,138 @@
+"""Offline throughput: kvllm vs HF transformers `generate` on SmolLM2 (bf16, CPU), in one process.
+
+64 requests, 256-token prompts of real text, 256 new tokens with ignore_eos, greedy. HF runs static batches of
+the same size. Also measures the bare bf16-matmul floor of one decode step (every linear layer + LM head at
+the batch size, no attention or norms) so the engine's overhead over pure GEMM time is visible.
+
+    .venv/bin/python bench/offline_throughput.py [--num-prompts 64] [--input-len 256] [--output-len 256]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import median, text_prompts, write_section  # noqa: E402
+from engine import Engine, SamplingParams  # noqa: E402
+
+
+def kvllm_run(engine: Engine, prompts, output_len: int, batch: int) -> tuple[float, float]:
+    """Output tok/s with at most `batch` sequences running, and mean decode step time (s) at full batch."""
+    engine.scheduler.config.max_num_seqs = batch
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert tokens == len(prompts) * output_len
+    engine.check_invariants()
+    return tokens / elapsed, elapsed
+
+
+def decode_step_time(engine: Engine, prompts, batch: int, steps: int = 8) -> float:
+    """Median time of a pure decode step with `batch` running sequences."""
+    engine.scheduler.config.max_num_seqs = batch
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for i, p in enumerate(prompts[:batch]):
+        engine._submit(engine._make_request(p, params, f"probe-{i}"))
+    times = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        if len(engine.scheduler.running) == batch and all(s.num_pending_tokens == 1 for s in engine.scheduler.running):
+            times.append(dt)
+    return median(times[1:] or times)
+
+
+def hf_run(model, prompts, output_len: int, batch: int) -> float:
+    total, t0 = 0, time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch):
+            ids = torch.tensor(prompts[i:i + batch])  # all prompts have the same length: no padding
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+            total += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return total / (time.perf_counter() - t0)
+
+
+def matmul_floor(engine: Engine, batch: int, repeats: int = 10) -> float:
+    """Seconds for the bare bf16 GEMMs of one decode step: x[batch, in] @ W.T for every linear + LM head."""
+    weights = [m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    hidden = engine.model_config.hidden_size
+    head = engine.model.compute_logits
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=engine.dtype) for w in weights}
+    xh = torch.randn(batch, hidden, dtype=engine.dtype)
+    has_lm_head = any(w.shape[0] == engine.model_config.vocab_size for w in weights)
+    lm_weight = None if has_lm_head else engine.model.embed_tokens.weight if hasattr(engine.model, "embed_tokens") else None
+
+    def once():
+        for w in weights:
+            torch.matmul(xs[w.shape[1]], w.t())
+        if lm_weight is not None:
+            torch.matmul(xh, lm_weight.t())
+
+    with torch.inference_mode():
+        once()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            once()
+            times.append(time.perf_counter() - t0)
+    del head
+    return median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--hf-batch", type=int, default=32)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+
+    engine = Engine(model="smollm2", dtype="bfloat16", device="cpu", max_num_seqs=64, max_num_batched_tokens=2048,
+                    max_model_len=2048)
+    prompts = text_prompts(engine.tokenizer, args.num_prompts, args.input_len)
+    kvllm_run(engine, prompts[:4], 8, 4)  # warm-up
+    rows = []
+    tps32, _ = kvllm_run(engine, prompts, args.output_len, 32)
+    tps64, _ = kvllm_run(engine, prompts, args.output_len, 64)
+    step64 = decode_step_time(engine, prompts, 64)
+    floor64 = matmul_floor(engine, 64)
+    hf_tps = None
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        from engine.loader import resolve_model_files
+
+        files = resolve_model_files("smollm2")
+        hf = AutoModelForCausalLM.from_pretrained(files.directory, gguf_file=files.gguf_file,
+                                                  dtype=torch.bfloat16).eval()
+        hf_run(hf, prompts[:2], 4, 2)  # warm-up
+        hf_tps = hf_run(hf, prompts, args.output_len, args.hf_batch)
+    rows.append(("kvllm, max 32 running", f"{tps32:.1f}", f"{tps32 / hf_tps:.2f}x" if hf_tps else "-"))
+    rows.append(("kvllm, max 64 running", f"{tps64:.1f}", f"{tps64 / hf_tps:.2f}x" if hf_tps else "-"))
+    if hf_tps:
+        rows.append((f"HF transformers generate, static batch {args.hf_batch}", f"{hf_tps:.1f}", "1.00x"))
+    table = ["| system | output tok/s | vs HF |", "|---|---:|---:|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    table += ["", "| decode step at 64 running (median) | bare bf16 GEMM floor of that step | ratio |", "|---:|---:|---:|",
+              f"| {step64 * 1e3:.1f} ms | {floor64 * 1e3:.1f} ms | {step64 / floor64:.2f}x |"]
+    body = "\n".join(table)
+    body += (f"\n\nSmolLM2-135M-Instruct (Q4_1 GGUF dequantized to bf16), {args.num_prompts} requests x "
+             f"{args.input_len}-token real-text prompts, {args.output_len} new tokens, greedy, ignore_eos.")
+    print(body)
+    if not args.no_write:
+        cmd = "python bench/offline_throughput.py " + " ".join(sys.argv[1:])
+        write_section("Offline throughput (kvllm vs HF transformers)", cmd.strip(), body)
+
+
+if __name__ == "__main__":
+    main()

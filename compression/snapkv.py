@@ -1,0 +1,90 @@
+"""SnapKV scoring/selection for the threshold-triggered baseline (eqs. 1–2 of the Kara paper; SnapKV arXiv
+2404.14469). Pure torch, batched over layers and heads.
+
+The threshold policy: once a sequence's KV length C_t reaches C_max (``threshold_max``), the last w
+(``observation_window``) slots are kept and the top N − w (``threshold_target`` − w) older slots by SnapKV score
+are kept; everything else is dropped (compaction region = [0, C_t − w), tail = the observation window).
+GQA: scores are averaged over the g query heads of a KV group (kvpress convention) and one selection is made
+per KV head.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from compression.base import KVCompressionConfig
+from compression.kara import MAX_LOGIT_ELEMS, topk_sorted
+
+
+def snapkv_scores(queries_obs: torch.Tensor, keys: torch.Tensor, kernel: int) -> torch.Tensor:
+    """queries_obs [L, Hq, w, D]: post-RoPE queries of the last w tokens; keys [L, Hkv, T, D]: all T keys (the
+    window's keys are the last w). Window query i (position T − w + i) attends keys [0, T − w + i] (causal), the
+    softmax runs over that whole row, probabilities are summed over the w queries, averaged over the g query
+    heads of each KV group, then avg-pooled along the key axis (kernel k, stride 1, padding k // 2, zero padding
+    counted, as F.avg_pool1d). Returns float32 [L, Hkv, T − w]: scores of the prefix before the window."""
+    if queries_obs.dim() != 4 or keys.dim() != 4:
+        raise ValueError("queries_obs and keys must be [L, H, *, D]")
+    L, hq, w, d = queries_obs.shape
+    lk, hkv, T, dk = keys.shape
+    if (L, d) != (lk, dk) or hq % hkv != 0:
+        raise ValueError(f"shape mismatch: queries_obs {tuple(queries_obs.shape)}, keys {tuple(keys.shape)}")
+    if T - w < 1:
+        raise ValueError(f"need more keys ({T}) than observation-window queries ({w})")
+    if kernel < 1:
+        raise ValueError(f"kernel must be >= 1, got {kernel}")
+    g = hq // hkv
+    n = T - w
+    dev = keys.device
+    # Causal mask in slot space: row i may see key j iff j <= n + i.
+    masked = torch.arange(T, device=dev)[None, :] > (n + torch.arange(w, device=dev))[:, None]  # [w, T]
+    masked = masked.repeat(g, 1)  # rows ordered (group member, query)
+    scale = 1.0 / math.sqrt(d)
+    summed = torch.empty(L, hkv, n, dtype=torch.float32, device=dev)
+    step = max(1, min(L, MAX_LOGIT_ELEMS // max(1, hq * w * T)))
+    for l0 in range(0, L, step):
+        l1 = min(L, l0 + step)
+        q = queries_obs[l0:l1].to(torch.float32).reshape(l1 - l0, hkv, g * w, d) * scale
+        k = keys[l0:l1].to(torch.float32)
+        logits = torch.matmul(q, k.transpose(-1, -2)).masked_fill(masked, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)  # [l, Hkv, g*w, T]
+        summed[l0:l1] = probs[..., :n].reshape(l1 - l0, hkv, g, w, n).sum(dim=3).mean(dim=2)
+    pooled = F.avg_pool1d(summed.reshape(L * hkv, 1, n), kernel_size=kernel, stride=1, padding=kernel // 2)
+    return pooled[..., :n].reshape(L, hkv, n)
+
+
+def snapkv_select(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """Top-`budget` positions per (layer, head) by score (ties -> lower index), ascending:
+    LongTensor [L, Hkv, min(budget, n)]."""
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    return topk_sorted(scores, budget)
+
+
+class SnapKVCompressor:
+    """Threshold-triggered SnapKV (method "threshold").
+
+    ``should_compress(kv_len)``: kv_len >= C_max. ``select(queries_obs, keys)``: queries of the last w slots and
+    keys of all T = kv_len slots -> kept indices [L, Hkv, min(N − w, T − w)] into the prefix [0, T − w); the
+    caller keeps the w window slots after them (compaction region [0, T − w), tail = window)."""
+
+    def __init__(self, config: KVCompressionConfig):
+        self.config = config
+
+    @property
+    def observation_window(self) -> int:
+        return self.config.observation_window
+
+    def should_compress(self, kv_len: int) -> bool:
+        return kv_len >= self.config.threshold_max
+
+    def prefix_budget(self) -> int:
+        return self.config.threshold_target - self.config.observation_window
+
+    def select(self, queries_obs: torch.Tensor, keys: torch.Tensor, budget: int | None = None) -> torch.Tensor:
+        scores = snapkv_scores(queries_obs, keys, self.config.snapkv_kernel)
+        return snapkv_select(scores, self.prefix_budget() if budget is None else budget)
+
+
+__all__ = ["snapkv_scores", "snapkv_select", "SnapKVCompressor"]

@@ -1,0 +1,107 @@
+"""Per-step attention metadata (FlashInfer's CSR page-table form) and the backend interface.
+
+Every sequence in a step contributes `q_len` new query tokens and sees `kv_len` cached slots *including*
+the new ones. Causality is bottom-right aligned: query i of a sequence (0-based among its q_len tokens)
+attends KV slots [0, kv_len - q_len + i]. KV slots are not token positions: after compression a
+sequence's kv_len is smaller than its logical position, and RoPE is applied by the model before K is
+written, so attention never needs positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    block_size: int
+    # CSR page table, int32, on the model device (what FlashInfer's plan() takes).
+    qo_indptr: torch.Tensor  # [B+1]
+    kv_indptr: torch.Tensor  # [B+1]
+    kv_indices: torch.Tensor  # [kv_indptr[-1]] physical block ids in logical order
+    kv_last_page_len: torch.Tensor  # [B] valid slots in each sequence's last block, 1..block_size
+    # Flat slot (block_id * block_size + offset) for each new token's K/V, int64 [T]; empty when nothing
+    # is written (query recomputation).
+    slot_mapping: torch.Tensor
+    # Host copies used for planning and by the torch backend.
+    q_lens: list[int]
+    kv_lens: list[int]
+    block_tables: list[list[int]]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(q == 1 for q in self.q_lens)
+
+
+def build_metadata(
+    block_tables: Sequence[Sequence[int]],
+    q_lens: Sequence[int],
+    kv_lens: Sequence[int],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    write: bool = True,
+) -> AttentionMetadata:
+    """Build the step metadata. The new tokens of sequence i occupy KV slots [kv_len - q_len, kv_len)."""
+    q_lens, kv_lens = list(q_lens), list(kv_lens)
+    qo_indptr, kv_indptr, kv_indices, last_page_len, slots = [0], [0], [], [], []
+    for table, q_len, kv_len in zip(block_tables, q_lens, kv_lens):
+        if q_len < 1 or kv_len < q_len:
+            raise ValueError(f"bad attention lengths: q_len={q_len}, kv_len={kv_len}")
+        num_pages = (kv_len + block_size - 1) // block_size
+        if num_pages > len(table):
+            raise ValueError(f"block table holds {len(table)} blocks, {num_pages} needed for {kv_len} slots")
+        kv_indices.extend(table[:num_pages])
+        kv_indptr.append(len(kv_indices))
+        qo_indptr.append(qo_indptr[-1] + q_len)
+        last_page_len.append(kv_len - (num_pages - 1) * block_size)
+        if write:
+            for p in range(kv_len - q_len, kv_len):
+                slots.append(table[p // block_size] * block_size + p % block_size)
+
+    def i32(x):
+        return torch.tensor(x, dtype=torch.int32, device=device)
+
+    return AttentionMetadata(
+        block_size=block_size,
+        qo_indptr=i32(qo_indptr),
+        kv_indptr=i32(kv_indptr),
+        kv_indices=i32(kv_indices),
+        kv_last_page_len=i32(last_page_len),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        block_tables=[list(t[: (k + block_size - 1) // block_size]) for t, k in zip(block_tables, kv_lens)],
+    )
+
+
+class AttentionBackend(Protocol):
+    """One object per engine. `plan` is called once per step (all layers share the plan), then `forward`
+    once per layer."""
+
+    def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
+             dtype: torch.dtype) -> None: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D], RoPE applied
+        k: torch.Tensor | None,  # [T, Hkv, D], RoPE applied; None = do not write (query recomputation)
+        v: torch.Tensor | None,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # this layer's pages [num_blocks, 2, block_size, Hkv, D] (NHD)
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...  # [T, Hq, D]
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V into the pages at their flat slots."""
+    num_blocks, _, block_size, h, d = kv_cache.shape
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    kv_cache[blocks, 0, offsets] = k.to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = v.to(kv_cache.dtype)

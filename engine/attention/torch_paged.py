@@ -1,0 +1,139 @@
+"""Reference paged-attention backend in plain torch (CPU and CUDA).
+
+plan() turns the step's page table into flat row indices once; forward() per layer is only tensor ops:
+- decode sequences (q_len == 1) are done together in ONE batched op: K/V rows are gathered straight into a
+  head-major padded tensor [2, B, Hkv, S_pad, D], q is viewed as [B, Hkv, g, D] (GQA without repeating
+  K/V), and scaled_dot_product_attention runs with a per-sequence length mask;
+- prefill sequences (q_len > 1) loop per sequence with a bottom-right-aligned causal mask.
+SDPA's kernels accumulate QK^T and the softmax in float32 for half/bfloat16 inputs; the output has q's dtype.
+
+K/V rows are addressed in the layer's page tensor viewed as [num_blocks * 2 * block_size * Hkv, D]:
+row(block, kv, offset, head) = ((block * 2 + kv) * block_size + offset) * Hkv + head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionMetadata, write_kv
+
+_PAD = 16  # decode KV length is padded to a multiple of this (keeps CUDA SDPA on its fast kernels)
+
+
+@dataclass
+class _Prefill:
+    q_start: int
+    q_len: int
+    kv_len: int
+    rows: torch.Tensor  # [2 * Hkv * kv_len] int64 rows of K then V
+    mask: torch.Tensor  # [g * q_len, kv_len] bool, True = attend
+
+
+@dataclass
+class _Plan:
+    meta: AttentionMetadata
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    # decode part
+    num_decode: int = 0
+    decode_slice: slice | None = None  # token range when the decode tokens are contiguous
+    decode_tokens: torch.Tensor | None = None  # [Bd] token indices otherwise
+    decode_rows: torch.Tensor | None = None  # [2 * Bd * Hkv * S_pad] int64
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, S_pad] bool
+    decode_kv_pad: int = 0
+    prefills: list[_Prefill] | None = None
+
+
+def _kv_rows(tables: list[list[int]], kv_lens: list[int], block_size: int, num_kv_heads: int, pad_to: int,
+             device) -> torch.Tensor:
+    """Flat K rows [B, Hkv, pad_to] of KV slots 0..pad_to-1 of each sequence; slots past a sequence's kv_len
+    repeat its last slot (valid memory, masked out). V rows are K rows + block_size * Hkv."""
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64).to(device)
+    lens = torch.tensor(kv_lens, dtype=torch.int64).to(device)
+    slots = torch.minimum(torch.arange(pad_to, device=device)[None, :], lens[:, None] - 1)  # [B, pad_to]
+    blocks = table.gather(1, torch.div(slots, block_size, rounding_mode="floor"))
+    base = (blocks * 2 * block_size + slots % block_size) * num_kv_heads
+    return base[:, None, :] + torch.arange(num_kv_heads, device=device)[None, :, None]
+
+
+class TorchPagedBackend:
+    """AttentionBackend over NHD pages [num_blocks, 2, block_size, Hkv, D]."""
+
+    def __init__(self) -> None:
+        self._plan: _Plan | None = None
+
+    def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
+             dtype: torch.dtype) -> None:
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        device = meta.qo_indptr.device
+        bs, hkv, g = meta.block_size, num_kv_heads, num_q_heads // num_kv_heads
+        v_shift = bs * hkv  # row offset from a K row to its V row
+        p = _Plan(meta, num_q_heads, num_kv_heads, head_dim, prefills=[])
+        q_starts = [0]
+        for q_len in meta.q_lens:
+            q_starts.append(q_starts[-1] + q_len)
+
+        dec = [i for i, q_len in enumerate(meta.q_lens) if q_len == 1]
+        if dec:
+            kv_lens = [meta.kv_lens[i] for i in dec]
+            s_pad = -(-max(kv_lens) // _PAD) * _PAD
+            k_rows = _kv_rows([meta.block_tables[i] for i in dec], kv_lens, bs, hkv, s_pad, device)
+            p.num_decode = len(dec)
+            p.decode_kv_pad = s_pad
+            p.decode_rows = torch.stack([k_rows, k_rows + v_shift]).flatten()
+            lens = torch.tensor(kv_lens).to(device)
+            p.decode_mask = (torch.arange(s_pad, device=device)[None, :] < lens[:, None]).view(len(dec), 1, 1, s_pad)
+            tokens = [q_starts[i] for i in dec]
+            if tokens == list(range(tokens[0], tokens[0] + len(tokens))):
+                p.decode_slice = slice(tokens[0], tokens[0] + len(tokens))
+            else:
+                p.decode_tokens = torch.tensor(tokens, dtype=torch.int64, device=device)
+
+        for i, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens)):
+            if q_len == 1:
+                continue
+            k_rows = _kv_rows([meta.block_tables[i]], [kv_len], bs, hkv, kv_len, device)[0]
+            # query i (0-based among the q_len new tokens) attends slots [0, kv_len - q_len + i]
+            last = kv_len - q_len + torch.arange(q_len, device=device)
+            causal = torch.arange(kv_len, device=device)[None, :] <= last[:, None]
+            p.prefills.append(_Prefill(q_starts[i], q_len, kv_len, torch.stack([k_rows, k_rows + v_shift]).flatten(),
+                                       causal.repeat(g, 1)))
+        self._plan = p
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        p = self._plan
+        if p is None or p.meta is not meta:
+            self.plan(meta, q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype)
+            p = self._plan
+        if k is not None:
+            write_kv(kv_cache, k, v, meta.slot_mapping)
+        hq, hkv, d = p.num_q_heads, p.num_kv_heads, p.head_dim
+        g = hq // hkv
+        rows = kv_cache.view(-1, d)  # every (block, k/v, offset, head) row
+        out = torch.empty_like(q)
+
+        if p.num_decode:
+            bd, s_pad = p.num_decode, p.decode_kv_pad
+            kv = rows.index_select(0, p.decode_rows).view(2, bd, hkv, s_pad, d).to(q.dtype)
+            qd = q[p.decode_slice] if p.decode_slice is not None else q.index_select(0, p.decode_tokens)
+            o = F.scaled_dot_product_attention(qd.reshape(bd, hkv, g, d), kv[0], kv[1], attn_mask=p.decode_mask,
+                                               scale=scale)
+            o = o.reshape(bd, hq, d)
+            if p.decode_slice is not None:
+                out[p.decode_slice] = o
+            else:
+                out.index_copy_(0, p.decode_tokens, o)
+
+        for pf in p.prefills:
+            n = pf.q_len
+            kv = rows.index_select(0, pf.rows).view(2, hkv, pf.kv_len, d).to(q.dtype)
+            qs = q[pf.q_start:pf.q_start + n].reshape(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
+            o = F.scaled_dot_product_attention(qs, kv[0], kv[1], attn_mask=pf.mask, scale=scale)
+            out[pf.q_start:pf.q_start + n] = o.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+        return out

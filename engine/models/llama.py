@@ -1,0 +1,224 @@
+"""Plain-torch decoder for Llama (2/3, SmolLM2, DeepSeek-R1-Distill-Llama), Qwen2 and Qwen3.
+
+Tokens of all sequences are flattened ([T] ids, [T] logical positions); attention goes through the
+AttentionBackend only. RoPE uses the logical positions, which may exceed the KV slots after compression.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] (float32), as transformers computes them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary:
+    """cos/sin tables [max_positions, D/2] in float32, built once per device, indexed by positions."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.max_positions = config.max_position_embeddings
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = self._tables.get(positions.device)
+        if tables is None:
+            freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), self.inv_freq)
+            tables = self._tables[positions.device] = (freqs.cos().to(positions.device),
+                                                       freqs.sin().to(positions.device))
+        cos, sin = tables
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D/2]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on [T, H, D] in float32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.num_q_heads, self.num_kv_heads, self.head_dim = c.num_q_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.scale = c.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.o_proj_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+
+    def forward(self, x, cos, sin, kv_cache, attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_q_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attn.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(o.flatten(1))
+
+    def queries(self, x, cos, sin) -> torch.Tensor:
+        """Post-RoPE queries [T, Hq, D] only (q rows of the fused projection)."""
+        bias = self.qkv_proj.bias
+        q = F.linear(x, self.qkv_proj.weight[: self.q_size], None if bias is None else bias[: self.q_size])
+        q = q.view(-1, self.num_q_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, h, cos, sin, kv_cache, attn, meta) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, attn, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# HF checkpoint projection name -> (our fused parameter, shard index)
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # tied: the LM head is embed_tokens.weight
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                          bias=False)
+        self.rotary = Rotary(config)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+        """[T] ids and logical positions -> final-normed hidden states [T, hidden]. attn.plan() is the
+        caller's job."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, attn, meta)
+        return self.norm(h)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def recompute_queries(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                          attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+        """Post-RoPE queries [L, T, Hq, D] of tokens whose K/V are already cached (meta built with write=False).
+        Nothing is written; K/V are not projected; the last layer stops after its queries."""
+        c = self.config
+        out = torch.empty(c.num_layers, input_ids.shape[0], c.num_q_heads, c.head_dim,
+                          dtype=self.embed_tokens.weight.dtype, device=input_ids.device)
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            sa = layer.self_attn
+            out[i] = q = sa.queries(layer.input_layernorm(h), cos, sin)
+            if i == c.num_layers - 1:
+                break
+            h = h + sa.o_proj(attn.forward(q, None, None, kv_cache, meta, sa.scale).flatten(1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return out
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    def _shard_rows(self, target: str, shard: int) -> tuple[int, int]:
+        c = self.config
+        if target == "qkv_proj":
+            q, kv = c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
+        return (shard * c.intermediate_size, (shard + 1) * c.intermediate_size)
+
+    @torch.no_grad()
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (model.layers.N.self_attn.q_proj.weight, ..., lm_head.weight) into the fused
+        parameters, casting to their dtype/device. Raises ValueError on unknown, missing or misshaped weights."""
+        params = dict(self.named_parameters())
+        needed = set()
+        for name in params:
+            target = name.split(".")[-2]
+            shards = [s for t, s in PACKED_MODULES.values() if t == target] or [None]
+            needed.update((name, s) for s in shards)
+        loaded = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            parts = name.split(".")
+            target = shard = None
+            if len(parts) >= 2 and parts[-2] in PACKED_MODULES:
+                target, shard = PACKED_MODULES[parts[-2]]
+                name = ".".join(parts[:-2] + [target, parts[-1]])
+            if name not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for {self.config.architecture}")
+            dest = params[name].data
+            if shard is not None:
+                lo, hi = self._shard_rows(target, shard)
+                dest = dest[lo:hi]
+            if dest.shape != tensor.shape:
+                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add((name, shard))
+        missing = sorted(f"{n}" + ("" if s is None else f"[shard {s}]") for n, s in needed - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

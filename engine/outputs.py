@@ -1,0 +1,64 @@
+"""Results returned to users (vLLM's RequestOutput / CompletionOutput fields)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: list[float | None] | None = None  # teacher-forced scoring results
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_steps: int = 0
+    compression_rounds: int = 0
+    compression_blocks_freed: int = 0
+    compression_tokens_evicted: int = 0
+    compression_tokens_seen: int = 0  # tokens scored by compression (retention = 1 - evicted / seen)
+    compression_seconds: float = 0.0
+    engine_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def compression_retention(self) -> float | None:
+        if not self.compression_tokens_seen:
+            return None
+        return 1.0 - self.compression_tokens_evicted / self.compression_tokens_seen

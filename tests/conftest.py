@@ -1,0 +1,62 @@
+"""Shared fixtures: a tiny random Llama saved to disk (with a word-level tokenizer) and engines over it."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # helper modules import as `helpers_models` or `tests.helpers_models`
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    from tests.helpers_models import make_tiny_hf_model, save_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_hf_model("llama", path, seed=0)
+    save_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_llama(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@pytest.fixture
+def make_engine(tiny_llama_dir):
+    """Build engines over the tiny model (fp32, CPU); every engine built here is checked for leaks after
+    the test."""
+    from engine.engine import Engine
+
+    engines = []
+
+    def build(**kwargs):
+        kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("device", "cpu")
+        kwargs.setdefault("block_size", 4)
+        kwargs.setdefault("num_kv_blocks", 256)
+        eng = Engine(model=str(tiny_llama_dir), **kwargs)
+        engines.append(eng)
+        return eng
+
+    yield build
+    for eng in engines:
+        eng.shutdown()
+        eng.check_invariants()
+        assert eng.pool.num_free == eng.pool.num_blocks, "KV blocks leaked"
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,104 @@
+"""Test helpers: a tiny page-table allocator (independent of paging/block_pool.py) and tiny random HF models."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from engine.attention.base import AttentionMetadata, build_metadata
+
+
+class PageTable:
+    """Hands out shuffled, non-contiguous block ids and builds step metadata for a set of sequences."""
+
+    def __init__(self, num_blocks: int, block_size: int, seed: int = 0) -> None:
+        self.block_size = block_size
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[int, list[int]] = {}
+        self.kv_lens: dict[int, int] = {}
+
+    def grow(self, seq: int, n: int) -> None:
+        """Reserve n more KV slots for `seq`."""
+        table = self.tables.setdefault(seq, [])
+        new_len = self.kv_lens.get(seq, 0) + n
+        while len(table) * self.block_size < new_len:
+            table.append(self.free.pop())
+        self.kv_lens[seq] = new_len
+
+    def step(self, q_lens: dict[int, int], device="cpu", write: bool = True) -> AttentionMetadata:
+        """Metadata for a step adding q_lens[seq] tokens to each listed sequence (in dict order).
+        With write=False, the tokens are the last q_lens[seq] slots already in the cache."""
+        if write:
+            for seq, n in q_lens.items():
+                self.grow(seq, n)
+        seqs = list(q_lens)
+        return build_metadata([self.tables[s] for s in seqs], [q_lens[s] for s in seqs],
+                              [self.kv_lens[s] for s in seqs], self.block_size, device=device, write=write)
+
+
+def new_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype=torch.float32, device="cpu") -> list[torch.Tensor]:
+    """Per-layer NHD page tensors [num_blocks, 2, block_size, Hkv, D], views of one tensor like KVCache."""
+    kv = torch.full((num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim), float("nan"),
+                    dtype=dtype, device=device)
+    return list(kv.unbind(0))
+
+
+def tiny_hf_config(arch: str):
+    """A tiny GQA config (4 q heads / 2 kv heads, head_dim 16) for 'llama', 'qwen2' or 'qwen3'."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=256, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+    if arch == "llama":
+        # Llama 3 style RoPE scaling so the "llama3" path is exercised.
+        return LlamaConfig(num_hidden_layers=3, tie_word_embeddings=False, rope_theta=50000.0,
+                           rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                           architectures=["LlamaForCausalLM"], **common)
+    if arch == "qwen2":
+        return Qwen2Config(num_hidden_layers=2, tie_word_embeddings=True, rope_theta=10000.0,
+                           architectures=["Qwen2ForCausalLM"], **common)
+    if arch == "qwen3":
+        return Qwen3Config(num_hidden_layers=2, head_dim=16, tie_word_embeddings=True, rope_theta=1000000.0,
+                           architectures=["Qwen3ForCausalLM"], **common)
+    raise ValueError(arch)
+
+
+def make_tiny_hf_model(arch: str, path: Path, seed: int = 0, max_shard_size=None):
+    """Random tiny HF causal LM saved with save_pretrained (safetensors) to `path`; returns the HF model (fp32,
+    eager attention, eval mode). Qwen2 gets nonzero q/k/v biases, every norm a non-trivial weight."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config(arch)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.08 * torch.randn_like(param))
+    model.eval()
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **kwargs)
+    return model
+
+
+def save_tiny_tokenizer(path: Path, vocab_size: int = 128) -> None:
+    """A word-level tokenizer over 'w3 w17 ...' words, saved next to a tiny model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": i for i in range(4, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(path)
