@@ -111,11 +111,10 @@ def main() -> None:
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        from engine.loader import resolve_model_files
+        from engine.loader import smollm2_gguf_path
 
-        files = resolve_model_files("smollm2")
-        hf = AutoModelForCausalLM.from_pretrained(files.directory, gguf_file=files.gguf_file,
-                                                  dtype=torch.bfloat16).eval()
+        gguf = smollm2_gguf_path()
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16).eval()
         hf_run(hf, prompts[:2], 4, 2)  # warm-up
         hf_tps = hf_run(hf, prompts, args.output_len, args.hf_batch)
     rows.append(("kvllm, max 32 running", f"{tps32:.1f}", f"{tps32 / hf_tps:.2f}x" if hf_tps else "-"))

@@ -47,7 +47,7 @@ class CompressionPolicy:
         self.config = config
         self.engine = engine
         self.decode_steps = 0
-        self._next_round = config.compression_period if config.enabled else KVCompressionConfig().compression_period
+        self._next_round = config.compression_period if config.enabled else 0
         self._compressors: dict[tuple, Any] = {}
 
     # -- per-sequence settings ----------------------------------------------------------------------------
@@ -98,13 +98,19 @@ class CompressionPolicy:
                 (prompt_due if seq.compress_prompt_pending else window).append(seq)
             else:
                 threshold.append(seq)
-        if self.decode_steps >= self._next_round:
-            self._next_round = self.decode_steps + self.config.compression_period
+        if window and self.decode_steps >= self._next_round:
+            self._next_round = self.decode_steps + self._period(window)
             prompt_due += window
         if prompt_due:
             self._run_window_round(prompt_due, stats)
         if threshold:
             self._run_threshold(threshold, stats)
+
+    def _period(self, window_seqs) -> int:
+        """The engine's period; with compression off engine-wide, the shortest period any request asked for."""
+        if self.config.enabled or not window_seqs:
+            return self.config.compression_period
+        return min(self.config_for(s).compression_period for s in window_seqs)
 
     # -- periodic window compression ----------------------------------------------------------------------
     def _run_window_round(self, candidates, stats) -> None:

@@ -252,7 +252,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns the outputs of requests that finished in it."""
-        with self._step_lock:
+        with self._step_lock, torch.inference_mode():
             t0 = time.perf_counter()
             self._drain_inbox()
             out = self.scheduler.schedule()

@@ -18,9 +18,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+# No "<name>_created" series (vLLM hides them too); process-wide, which is what a server process wants.
+prometheus_client.disable_created_metrics()
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

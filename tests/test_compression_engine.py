@@ -1,0 +1,173 @@
+"""Compression inside the serving loop: frontier bookkeeping, blocks freed, logical RoPE positions,
+invariants under preemption and aborts, and per-request settings."""
+import random
+
+import pytest
+import torch
+
+from compression.base import KVCompressionConfig
+from engine import SamplingParams
+
+SMALL = dict(window=16, buffer=4, ratio=0.25, chunk_max=4, chunk_budget=2, compression_period=12)
+
+
+def greedy(n, **kw):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def test_periodic_rounds_shrink_kv_and_free_blocks(make_engine):
+    eng = make_engine(kv_compression={"method": "kara", **SMALL}, num_kv_blocks=64)
+    prompt = list(range(10, 30))
+    cfg = KVCompressionConfig(**{"method": "kara", **SMALL})
+    out = eng.generate([prompt], greedy(60), use_tqdm=False)[0]
+    st = eng.stats()
+    assert len(out.outputs[0].token_ids) == 60
+    assert st.compression_rounds >= 3
+    # every compressed window of n = 12 slots keeps ceil(0.25 * 12) + 2 = 5
+    assert cfg.kept_per_window == 5
+    assert st.compression_tokens_seen % 12 == 0 and st.compression_tokens_evicted == st.compression_tokens_seen // 12 * 7
+    assert st.compression_blocks_freed > 0
+
+
+def test_kv_len_and_position_diverge_and_prompt_is_untouched(make_engine):
+    eng = make_engine(kv_compression={"method": "kara", **SMALL}, num_kv_blocks=64)
+    prompt = list(range(10, 30))
+    req = eng._make_request(prompt, greedy(50), "a")
+    eng._submit(req)
+    seen = []
+    snapshot = None
+    while not req.done.is_set():
+        eng.step()
+        seq = req.seqs[0]
+        if not seq.is_finished:
+            seen.append((seq.num_computed_tokens, seq.kv_len, seq.compressed_tokens, seq.compressed_kv_len))
+            if snapshot is None:
+                snapshot = eng.kv_cache.data[:, seq.block_table[:5]].clone()  # prompt slots 0..19
+            eng.check_invariants()
+    computed, kv_len, ctoks, ckv = seen[-1]
+    assert kv_len < computed and ctoks > len(prompt)
+    # the frontier only ever advances by whole regions of n = 12 tokens, each leaving 5 slots
+    assert (ctoks - len(prompt)) % 12 == 0 and ckv - len(prompt) == (ctoks - len(prompt)) // 12 * 5
+    assert kv_len - ckv == computed - ctoks  # the tail after the frontier is uncompressed
+    assert torch.equal(snapshot, eng.kv_cache.data[:, req.seqs[0].block_table[:5]]) or req.seqs[0].is_finished
+
+
+def test_new_tokens_use_logical_positions_after_compression(make_engine, tiny_hf_llama):
+    """'streaming' keeps the same (newest) region slots in every head, so HF can reproduce the compressed
+    cache with a 4D mask hiding the evicted tokens while keeping logical position ids."""
+    eng = make_engine(kv_compression={"method": "streaming", **SMALL}, num_kv_blocks=64)
+    prompt = list(range(40, 60))
+    out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0),
+                       use_tqdm=False)[0].outputs[0]
+    assert eng.stats().compression_rounds >= 2
+    tokens = prompt + out.token_ids
+    # replay the schedule: decode step s feeds output s-1 and yields output s; after step s the decode counter
+    # is s and a round fires when s reaches 12, 24, 36 (a round needs a tail of >= 16 uncompressed tokens)
+    n, keep, buf, P = 12, 5, 4, len(prompt)
+    evicted: set[int] = set()
+    frontier = P
+    mask_rows = []  # (query position, evicted positions) for output i
+    for i in range(40):
+        mask_rows.append((P - 1 + i, set(evicted)))
+        if i >= 1 and i % 12 == 0:
+            tail = P + i - frontier
+            if tail >= 16:
+                windows = (tail - buf) // n
+                for j in range(windows):
+                    start = frontier + j * n
+                    evicted.update(range(start, start + n - keep))  # streaming keeps the newest 5 of 12
+                frontier += windows * n
+    assert evicted
+    # HF logits for each generated token's position with the evicted keys masked out
+    T = len(tokens)
+    mask = torch.zeros(1, 1, T, T)
+    causal = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+    mask[0, 0][causal] = float("-inf")
+    for q, ev in mask_rows:
+        for j in ev:
+            mask[0, 0, q, j] = float("-inf")
+    with torch.no_grad():
+        logits = tiny_hf_llama(torch.tensor([tokens]), attention_mask=mask,
+                               position_ids=torch.arange(T)[None]).logits[0]
+    for step, (q, _) in enumerate(mask_rows):
+        tok = out.token_ids[step]
+        expected = logits[q].log_softmax(-1)[tok].item()
+        assert out.logprobs[step][tok] == pytest.approx(expected, abs=1e-4), f"step {step}"
+        assert logits[q].argmax().item() == tok
+
+
+def test_ratio_one_keeps_outputs_identical(make_engine):
+    prompts = [list(range(5, 25)), list(range(60, 70))]
+    ref = make_engine().generate(prompts, greedy(70), use_tqdm=False)
+    eng = make_engine(kv_compression={"method": "kara", **SMALL, "ratio": 1.0})
+    outs = eng.generate(prompts, greedy(70), use_tqdm=False)
+    assert eng.stats().compression_rounds >= 3
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_long_compressed_runs_with_preemption_and_aborts_keep_invariants(make_engine):
+    eng = make_engine(kv_compression={"method": "kara", **SMALL}, num_kv_blocks=40, watermark=0, max_num_seqs=8)
+    rng = random.Random(0)
+    reqs = []
+    for i in range(10):
+        prompt = [rng.randrange(4, 120) for _ in range(rng.randrange(3, 20))]
+        req = eng._make_request(prompt, greedy(rng.randrange(20, 90)), f"r{i}")
+        eng._submit(req)
+        reqs.append(req)
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+        eng.check_invariants()
+        if steps % 17 == 0:
+            victim = rng.choice(reqs)
+            eng.abort(victim.request_id)
+    st = eng.stats()
+    assert st.compression_rounds > 0 and st.num_preemptions > 0
+    assert eng.pool.num_free == eng.pool.num_blocks
+    for req in reqs:
+        o = req.final.outputs[0]
+        assert o.finish_reason in ("length", "abort")
+        if o.finish_reason == "length":
+            assert len(o.token_ids) == req.params.max_tokens
+
+
+def test_per_request_settings(make_engine):
+    eng = make_engine(kv_compression={"method": "kara", **SMALL})
+    p = [list(range(5, 25))]
+    eng.generate(p, greedy(50, kv_compression="none"), use_tqdm=False)
+    assert eng.stats().compression_rounds == 0
+    eng.generate(p, greedy(50, kv_compression={**SMALL, "method": "random", "ratio": 0.5}), use_tqdm=False)
+    assert eng.stats().compression_rounds > 0
+    off = make_engine()
+    off.generate(p, greedy(50, kv_compression={"method": "kara", **SMALL}), use_tqdm=False)
+    assert off.stats().compression_rounds > 0
+    with pytest.raises(ValueError, match="window"):
+        greedy(5, kv_compression={"method": "kara", "window": 4, "buffer": 8})
+    with pytest.raises(ValueError, match="unknown key"):
+        greedy(5, kv_compression={"method": "kara", "windw": 4})
+
+
+def test_threshold_policy_caps_kv_length(make_engine):
+    cfg = {"method": "threshold", "threshold_max": 32, "threshold_target": 20, "observation_window": 4}
+    eng = make_engine(kv_compression=cfg)
+    req = eng._make_request(list(range(5, 15)), greedy(60), "t")
+    eng._submit(req)
+    peak = 0
+    while not req.done.is_set():
+        eng.step()
+        if not req.seqs[0].is_finished:
+            peak = max(peak, req.seqs[0].kv_len)
+            eng.check_invariants()
+    assert peak <= 32 and eng.stats().compression_rounds >= 3
+
+
+def test_prompt_compression(make_engine):
+    eng = make_engine(kv_compression={"method": "kara", **SMALL, "compress_prompt": True})
+    req = eng._make_request(list(range(4, 44)), greedy(2), "p")  # 40-token prompt: (40 - 4) // 12 = 3 windows
+    eng._submit(req)
+    eng.step()  # prefill + first token, then the prompt's windows are compressed
+    seq = req.seqs[0]
+    assert seq.compressed_tokens == 36 and seq.kv_len == 40 - 36 + 3 * 5
+    while not req.done.is_set():
+        eng.step()
