@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -36,6 +36,8 @@ MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-2
 
 KVMethod = Literal[METHODS]  # type: ignore[valid-type]
+TokenId = Annotated[int, Field(ge=0)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
 class RequestError(Exception):
@@ -114,7 +116,7 @@ class _SamplingFields(OpenAIBaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    stop: Optional[Union[str, list[str]]] = None
+    stop: Optional[Union[NonEmptyStr, list[NonEmptyStr]]] = None
     seed: Optional[int] = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
     temperature: Optional[float] = Field(None, ge=0, allow_inf_nan=False, description="Default 1.0; 0 is greedy.")
     top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
@@ -131,7 +133,7 @@ class _SamplingFields(OpenAIBaseModel):
                                                 description="Only 1 is supported.")
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # kvllm extension
@@ -146,7 +148,9 @@ class _SamplingFields(OpenAIBaseModel):
 
 
 # ---------------------------------------------------------------------------------------------- completions
-PromptType = Union[str, list[str], list[int], list[list[int]]]
+PromptType = Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)],
+                   Annotated[list[TokenId], Field(min_length=1)],
+                   Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
 
 
 class CompletionRequest(_SamplingFields):
@@ -399,15 +403,16 @@ def _check_unsupported(req: _SamplingFields) -> None:
 
 
 def kv_compression_value(value: KVCompressionField, base: Any = None) -> Any:
-    """The request's kv_compression as SamplingParams takes it: None, a method name, or a config.
+    """The request's kv_compression as SamplingParams takes it: None, "none", a method name, a dict or a config.
 
-    With ``base`` (the server's ``KVCompressionConfig``), an object's omitted fields take the server's values.
+    With ``base`` (the server's active ``KVCompressionConfig``), a method name or an object's omitted fields
+    take the server's values (so ``{"ratio": 0.2}`` changes only the ratio of the server's setting).
     """
     if value is None:
         return None
-    if isinstance(value, str):
-        return value
-    d = value.to_dict()
+    if value == "none":
+        return "none"
+    d = {"method": value} if isinstance(value, str) else value.to_dict()
     if base is not None:
         from compression.base import KVCompressionConfig
 
@@ -416,7 +421,7 @@ def kv_compression_value(value: KVCompressionField, base: Any = None) -> Any:
                 return KVCompressionConfig.from_dict(d, base=base)
             except ValueError as err:
                 raise RequestError(str(err), _param_from_message(str(err), "kv_compression")) from None
-    return d
+    return value if isinstance(value, str) else d
 
 
 def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], *, vocab_size: int | None = None,

@@ -113,6 +113,8 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     sync(device)
     dt = (time.perf_counter() - t0) / n
     del x, y
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # give the memory back: the KV cache is sized from what is free
     return 2 * nbytes / dt
 
 
@@ -281,7 +283,7 @@ def main(argv=None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     lines += [f"- card: {name}; torch {torch.__version__}; attention backend: {type(attn).__name__} "
               f"(flashinfer {fi_version})",
-              f"- model: Llama-3-8B shape ({config.num_layers} layers, hidden {config.hidden_size}, "
+              f"- model ({config.num_layers} layers, hidden {config.hidden_size}, "
               f"{config.num_q_heads} q / {config.num_kv_heads} kv heads, head_dim {config.head_dim}, "
               f"intermediate {config.intermediate_size}, vocab {config.vocab_size}), {n_params / 1e9:.2f} B "
               f"random {str(dtype).removeprefix('torch.')} params, built in {time.perf_counter() - t0:.1f} s",

@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -77,18 +79,42 @@ def _merge_eos(config: ModelConfig, *more) -> None:
                 config.eos_token_ids.append(int(i))
 
 
+@contextlib.contextmanager
+def _shared_gguf_parsing():
+    """transformers parses the GGUF file three times (config, weights, tokenizer; ~10 s each for SmolLM2's
+    49k-token vocabulary) and rebuilds gguf's tensor-name map for every submodule. While loading, share one
+    reader per file and one name map per (arch, layers). Both are read-only."""
+    import gguf
+
+    original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers = {}
+
+    def reader(path, *args, **kwargs):
+        key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original_reader(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(original_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_map
+
+
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(path.parent), path.name
-    # transformers dequantizes (e.g. Q4_1) and undoes llama.cpp's q/k row permutation; names are HF's.
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype,
-                                                    local_files_only=True)
+    with _shared_gguf_parsing():
+        # transformers dequantizes (e.g. Q4_1) and undoes llama.cpp's q/k row permutation; names are HF's.
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype,
+                                                        local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     config = ModelConfig.from_hf(hf_model.config)
     model = _empty_model(config, dtype, device)
     model.load_hf_weights(hf_model.state_dict().items())
     del hf_model
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     _merge_eos(config, tokenizer.eos_token_id)
     return model, config, tokenizer
 

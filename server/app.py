@@ -76,25 +76,50 @@ def error_response(status_code: int, message: str, param: str | None = None, err
                         headers=headers)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "bytes"}
+
+
+def _clean_loc(loc) -> list[str]:
+    """Field path of a pydantic error without "body" and union-member tags ("str", "list[int]", "Model")."""
+    out = []
+    for x in loc:
+        x = str(x)
+        if x == "body" and not out:
+            continue
+        if x in _TYPE_TAGS or "[" in x or "-" in x or (x[:1].isupper() and x.isidentifier()):
+            continue
+        out.append(x)
+    return out
+
+
 def _format_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "Invalid request", None
-    parts, param = [], None
-    for err in errors[:5]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    for err in errors:
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "")
             return f"Invalid JSON in the request body{': ' + str(detail) if detail else ''}", None
-        where = ".".join(loc)
+    items = []
+    for i, err in enumerate(errors):
+        loc = _clean_loc(err.get("loc", ()))
         if not loc and err.get("type") in ("model_attributes_type", "dict_type", "missing"):
             return "The request body must be a JSON object (Content-Type: application/json).", None
-        if param is None and loc:
-            param = where
-        msg = str(err.get("msg", "invalid value"))
-        parts.append(f"{where}: {msg}" if where else msg)
-    more = f" (and {len(errors) - 5} more errors)" if len(errors) > 5 else ""
-    return "; ".join(parts) + more, param
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        wrong_type = str(err.get("type", "")).endswith("_type")
+        items.append((wrong_type, -len(loc), i, ".".join(loc), msg))
+    # For a union, the member that got furthest explains best: constraint errors before type mismatches
+    # (which mostly come from the other members), then the deepest location.
+    items.sort()
+    param = items[0][3] or None
+    parts, seen = [], set()
+    for _, _, _, where, msg in items:
+        text = f"{where}: {msg}" if where else msg
+        if text not in seen:
+            seen.add(text)
+            parts.append(text)
+    more = f" (and {len(parts) - 3} more)" if len(parts) > 3 else ""
+    return "; ".join(parts[:3]) + more, param
 
 
 class _SSEResponse(StreamingResponse):
@@ -286,7 +311,6 @@ class ServerState:
         self.metrics = ServerMetrics(engine, served_model_names[0])
         self.pending = 0  # admitted requests without a first token yet
         self.created = int(time.time())
-        tok = getattr(engine, "tokenizer", None)
         self._token_cache: dict[int, str] = {}
         self.vocab_size = _vocab_size(engine)
 
@@ -446,6 +470,25 @@ def build_app(engine: Any, served_model_name: Optional[Union[str, list[str]]] = 
                   description="OpenAI-compatible LLM server with paged KV cache and in-loop KV compression.")
     app.state.kvllm = state
 
+    def openapi_schema() -> dict[str, Any]:
+        """FastAPI's schema without the 422 responses it adds by default (validation errors are 400 here)."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            for ops in schema.get("paths", {}).values():
+                for op in ops.values():
+                    if isinstance(op, dict):
+                        op.get("responses", {}).pop("422", None)
+            comps = schema.get("components", {}).get("schemas", {})
+            comps.pop("HTTPValidationError", None)
+            comps.pop("ValidationError", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi_schema  # type: ignore[method-assign]
+
     # -- errors in the OpenAI shape ---------------------------------------------------------------------
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
@@ -518,7 +561,8 @@ def build_app(engine: Any, served_model_name: Optional[Union[str, list[str]]] = 
             for i, (p, ids) in enumerate(encoded):
                 text = None
                 if body.echo:
-                    text = p if isinstance(p, str) else engine.tokenizer.decode(ids)
+                    tok = engine.tokenizer
+                    text = p if isinstance(p, str) else (tok.decode(ids) if tok is not None else "")
                 g = _Gen(state, i, ids, params, f"{rid}-{i}", admission, text)
                 gens.append(g)
                 await g.start()
@@ -528,7 +572,8 @@ def build_app(engine: Any, served_model_name: Optional[Union[str, list[str]]] = 
         if body.stream:
             return _SSEResponse(_completion_stream(state, body, model, rid, gens, admission),
                                 lambda: _close_all(gens, admission))
-        return await _until_disconnect(raw, _completion_full(state, body, model, rid, gens, admission))
+        return await _until_disconnect(raw, _completion_full(state, body, model, rid, gens, admission),
+                                       lambda: _close_all(gens, admission))
 
     # -- chat completions -----------------------------------------------------------------------------------
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
@@ -551,7 +596,8 @@ def build_app(engine: Any, served_model_name: Optional[Union[str, list[str]]] = 
         if body.stream:
             return _SSEResponse(_chat_stream(state, body, model, rid, gen, admission),
                                 lambda: _close_all([gen], admission))
-        return await _until_disconnect(raw, _chat_full(state, body, model, rid, gen, admission))
+        return await _until_disconnect(raw, _chat_full(state, body, model, rid, gen, admission),
+                                       lambda: _close_all([gen], admission))
 
     return app
 
@@ -568,27 +614,23 @@ async def _close_all(gens: list[_Gen], admission: _Admission) -> None:
     admission.release()
 
 
-async def _until_disconnect(raw: Request, coro) -> Response:
-    """Run a non-streaming handler body; if the client disconnects first, cancel it (aborting the request)."""
+async def _until_disconnect(raw: Request, coro, cleanup) -> Response:
+    """Run a non-streaming handler body; if the client disconnects first, cancel it (aborting the request).
+    `cleanup` (idempotent) runs on every path, also when the body was cancelled before it started."""
     task = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        watcher.cancel()
+        if task in done:
+            return task.result()
+        logger.info("client disconnected; request aborted")
+        return error_response(400, "Client disconnected.")
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
         await asyncio.gather(task, watcher, return_exceptions=True)
-        raise
-    if task in done:
-        watcher.cancel()
-        with contextlib.suppress(BaseException):
-            await watcher
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-    logger.info("client disconnected; request aborted")
-    return error_response(400, "Client disconnected.")
+        await cleanup()
 
 
 def _usage(gens: list[_Gen], completion_tokens: int) -> UsageInfo:
@@ -612,9 +654,10 @@ async def _completion_full(state: ServerState, body: CompletionRequest, model: s
     n = body.n
     choices: dict[int, _Choice] = {}
     try:
-        async for g, out in _iterate(gens):
-            for o in out.outputs:
-                choices.setdefault(g.prompt_index * n + o.index, _Choice()).add(o)
+        async with contextlib.aclosing(_iterate(gens)) as it:
+            async for g, out in it:
+                for o in out.outputs:
+                    choices.setdefault(g.prompt_index * n + o.index, _Choice()).add(o)
     except Exception as err:
         mapped = _engine_error(err)
         if isinstance(mapped, RequestError):
@@ -649,25 +692,26 @@ async def _completion_stream(state: ServerState, body: CompletionRequest, model:
     offsets: dict[int, int] = {}
     echoed: set[int] = set()
     try:
-        async for g, out in _iterate(gens):
-            for o in out.outputs:
-                if not (o.text or o.token_ids or o.finish_reason):
-                    continue
-                idx = g.prompt_index * n + o.index
-                text = o.text
-                if g.prompt_text is not None and idx not in echoed:
-                    echoed.add(idx)
-                    text = g.prompt_text + text
-                    offsets[idx] = len(g.prompt_text)
-                completion_tokens += len(o.token_ids)
-                lp, offsets[idx] = state.completion_logprobs(o.token_ids, o.logprobs, offsets.get(idx, 0))
-                chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [{"index": idx, "text": text,
-                                      "logprobs": lp.model_dump() if lp is not None else None,
-                                      "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]}
-                if continuous:
-                    chunk["usage"] = _usage(gens, completion_tokens).model_dump()
-                yield _sse(chunk)
+        async with contextlib.aclosing(_iterate(gens)) as it:
+            async for g, out in it:
+                for o in out.outputs:
+                    if not (o.text or o.token_ids or o.finish_reason):
+                        continue
+                    idx = g.prompt_index * n + o.index
+                    text = o.text
+                    if g.prompt_text is not None and idx not in echoed:
+                        echoed.add(idx)
+                        text = g.prompt_text + text
+                        offsets[idx] = len(g.prompt_text)
+                    completion_tokens += len(o.token_ids)
+                    lp, offsets[idx] = state.completion_logprobs(o.token_ids, o.logprobs, offsets.get(idx, 0))
+                    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                             "choices": [{"index": idx, "text": text,
+                                          "logprobs": lp.model_dump() if lp is not None else None,
+                                          "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]}
+                    if continuous:
+                        chunk["usage"] = _usage(gens, completion_tokens).model_dump()
+                    yield _sse(chunk)
         if include_usage:
             yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                         "choices": [], "usage": _usage(gens, completion_tokens).model_dump()})
@@ -686,9 +730,10 @@ async def _chat_full(state: ServerState, body: ChatCompletionRequest, model: str
                      admission: _Admission) -> Response:
     choices: dict[int, _Choice] = {}
     try:
-        async for _, out in _iterate([gen]):
-            for o in out.outputs:
-                choices.setdefault(o.index, _Choice()).add(o)
+        async with contextlib.aclosing(_iterate([gen])) as it:
+            async for _, out in it:
+                for o in out.outputs:
+                    choices.setdefault(o.index, _Choice()).add(o)
     except Exception as err:
         mapped = _engine_error(err)
         if isinstance(mapped, RequestError):
@@ -721,24 +766,25 @@ async def _chat_stream(state: ServerState, body: ChatCompletionRequest, model: s
     completion_tokens = 0
     started: set[int] = set()
     try:
-        async for _, out in _iterate([gen]):
-            for o in out.outputs:
-                if not (o.text or o.token_ids or o.finish_reason):
-                    continue
-                delta: dict[str, Any] = {}
-                if o.index not in started:  # the role travels with the first content (no fake early TTFT)
-                    started.add(o.index)
-                    delta["role"] = "assistant"
-                delta["content"] = o.text
-                completion_tokens += len(o.token_ids)
-                lp = state.chat_logprobs(o.token_ids, o.logprobs, top_n)
-                chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                         "choices": [{"index": o.index, "delta": delta,
-                                      "logprobs": lp.model_dump() if lp is not None else None,
-                                      "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]}
-                if continuous:
-                    chunk["usage"] = _usage([gen], completion_tokens).model_dump()
-                yield _sse(chunk)
+        async with contextlib.aclosing(_iterate([gen])) as it:
+            async for _, out in it:
+                for o in out.outputs:
+                    if not (o.text or o.token_ids or o.finish_reason):
+                        continue
+                    delta: dict[str, Any] = {}
+                    if o.index not in started:  # the role travels with the first content (no fake early TTFT)
+                        started.add(o.index)
+                        delta["role"] = "assistant"
+                    delta["content"] = o.text
+                    completion_tokens += len(o.token_ids)
+                    lp = state.chat_logprobs(o.token_ids, o.logprobs, top_n)
+                    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                             "choices": [{"index": o.index, "delta": delta,
+                                          "logprobs": lp.model_dump() if lp is not None else None,
+                                          "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]}
+                    if continuous:
+                        chunk["usage"] = _usage([gen], completion_tokens).model_dump()
+                    yield _sse(chunk)
         if include_usage:
             yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                         "choices": [], "usage": _usage([gen], completion_tokens).model_dump()})

@@ -70,3 +70,26 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     finally:
         model.generation_config = saved
     return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """HF transformers' SmolLM2 loaded from the same GGUF (fp32), the independent reference."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                local_files_only=True).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine():
+    """kvllm's engine on the real SmolLM2 weights in fp32 (shared by the slow tests)."""
+    from engine.engine import Engine
+
+    eng = Engine(model="smollm2", dtype="float32", device="cpu", num_kv_blocks=512, max_model_len=2048)
+    yield eng
+    eng.shutdown()
+    eng.check_invariants()

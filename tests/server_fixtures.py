@@ -143,6 +143,11 @@ class ServerThread:
             time.sleep(0.01)
         return self
 
+    @property
+    def pending(self) -> int:
+        """Requests the app counts as waiting for their first token (0 when idle)."""
+        return self.server.config.app.state.kvllm.pending
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=15)
@@ -195,6 +200,15 @@ def drained(tiny_engine):
     wait_drained(tiny_engine)
 
 
+@pytest.fixture(autouse=True)
+def _engine_drained_after_each_test(request):
+    """Every test that used the shared engine ends with it drained: check_invariants() and all blocks free."""
+    engine = request.getfixturevalue("tiny_engine") if "tiny_engine" in request.fixturenames else None
+    yield
+    if engine is not None:
+        wait_drained(engine)
+
+
 __all__ = ["HOST", "TINY_MAX_MODEL_LEN", "TINY_NUM_KV_BLOCKS", "TINY_BLOCK_SIZE", "ServerThread", "serve",
            "openai_client", "build_engine", "wait_drained", "make_tiny_llama", "smollm2_tokenizer_dir",
-           "tiny_server_model_dir", "tiny_engine", "tiny_server", "drained"]
+           "tiny_server_model_dir", "tiny_engine", "tiny_server", "drained", "_engine_drained_after_each_test"]

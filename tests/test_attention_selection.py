@@ -21,7 +21,6 @@ from engine.attention.torch_paged import TorchPagedBackend
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 
 
-@no_cuda
 def test_auto_on_cpu_is_torch():
     assert isinstance(get_backend("auto", "cpu"), TorchPagedBackend)
     assert isinstance(get_backend("torch", "cpu"), TorchPagedBackend)
@@ -308,9 +307,10 @@ def test_fake_plan_once_for_all_layers(fake_backend):
     for _ in range(3):
         fake_backend.forward(q, k, v, cache.clone(), meta, 0.25)
     assert fake_backend.prefill_wrapper.plans == 1
+    # like TorchPagedBackend, forward() with metadata it was not planned for plans it first
     other = build_metadata([[1]], [1], [1], 4)
-    with pytest.raises(RuntimeError, match="without plan"):
-        fake_backend.forward(q, k, v, cache, other, 0.25)
+    fake_backend.forward(q[:1], k[:1], v[:1], cache, other, 0.25)
+    assert fake_backend._step.meta is other and isinstance(fake_backend._step.wrapper, FakeDecodeWrapper)
 
 
 def test_fake_graph_decode_pads_and_writes_fixed_buffers(fake_backend):

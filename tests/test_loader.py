@@ -71,18 +71,12 @@ def test_missing_weight_is_reported(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_matches_transformers():
-    from transformers import AutoModelForCausalLM
-
-    from engine.loader import smollm2_gguf_path
-
-    model, config, tokenizer = load_model("smollm2", torch.float32, "cpu")
+def test_smollm2_gguf_matches_transformers(smollm2_engine, smollm2_hf):
+    model, config, tokenizer = smollm2_engine.model, smollm2_engine.model_config, smollm2_engine.tokenizer
+    hf = smollm2_hf
     assert (config.architecture, config.num_layers, config.num_q_heads, config.num_kv_heads, config.head_dim) == \
         ("LlamaForCausalLM", 30, 9, 3, 64)
     assert config.tie_word_embeddings and tokenizer.eos_token_id in config.eos_token_ids
-    path = smollm2_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                              local_files_only=True).eval()
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                         add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -135,3 +135,25 @@ def test_forward_replans_for_new_metadata():
     backend.plan(build_metadata([[0]], [1], [1], 4), 4, 2, 16, torch.float64)  # a stale plan
     out = backend.forward(q, k, v, cache, meta, 0.25)
     assert (out - reference(q, cache, meta, 0.25)).abs().max().item() < 1e-10
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_cuda_matches_reference(dtype, tol):
+    q_lens = {0: 6, 1: 1, 2: 5, 3: 1, 4: 1, 5: 2}
+    prefix = {0: 0, 1: 8, 2: 7, 3: 7, 4: 0, 5: 3}
+    cache, meta, q, k, v = make_case(q_lens, prefix, hq=6, hkv=2, dtype=dtype)
+    pages = PageTable(num_blocks=64, block_size=4, seed=0)  # same allocation as make_case, on the GPU
+    for seq, n in prefix.items():
+        if n:
+            pages.grow(seq, n)
+    meta_cuda = pages.step(q_lens, device="cuda")
+    cache_cuda = cache.cuda()
+    backend = TorchPagedBackend()
+    backend.plan(meta_cuda, 6, 2, 16, dtype)
+    out = backend.forward(q.cuda(), k.cuda(), v.cuda(), cache_cuda, meta_cuda, 0.25).cpu()
+    backend.plan(meta, 6, 2, 16, dtype)
+    backend.forward(q, k, v, cache, meta, 0.25)  # writes the same K/V on the CPU copy for the reference
+    assert torch.equal(cache_cuda.cpu(), cache)
+    assert (out.double() - reference(q, cache, meta, 0.25)).abs().max().item() < tol

@@ -11,14 +11,9 @@ def get_backend(name: str, device) -> "AttentionBackend":
         raise ValueError(f"attention_backend must be 'auto', 'torch' or 'flashinfer', got {name!r}")
     device = torch.device(device)
     if name == "auto":
-        name = "torch"
-        if device.type == "cuda":
-            try:
-                import flashinfer  # noqa: F401
+        from engine.attention.flashinfer import is_available
 
-                name = "flashinfer"
-            except ImportError:
-                pass
+        name = "flashinfer" if device.type == "cuda" and is_available() else "torch"
     if name == "flashinfer":
         from engine.attention.flashinfer import FlashInferBackend
 

@@ -218,8 +218,9 @@ class FlashInferBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         step = self._step
-        if step is None or (step.meta is not None and step.meta is not meta):
-            raise RuntimeError("FlashInferBackend.forward() called without plan() for this step's metadata")
+        if step is None or (step.meta is not None and step.meta is not meta):  # not planned: plan now
+            self.plan(meta, q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype)
+            step = self._step
         if k is not None:
             if step.write_blocks is None:
                 raise RuntimeError("forward() got new K/V but the step's metadata has no slot mapping "

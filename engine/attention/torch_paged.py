@@ -12,7 +12,7 @@ row(block, kv, offset, head) = ((block * 2 + kv) * block_size + offset) * Hkv + 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,7 @@ class _Prefill:
     q_len: int
     kv_len: int
     rows: torch.Tensor  # [2 * Hkv * kv_len] int64 rows of K then V
-    mask: torch.Tensor  # [g * q_len, kv_len] bool, True = attend
+    mask: torch.Tensor  # [q_len, kv_len] bool, True = attend
 
 
 @dataclass
@@ -44,7 +44,7 @@ class _Plan:
     decode_rows: torch.Tensor | None = None  # [2 * Bd * Hkv * S_pad] int64
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, S_pad] bool
     decode_kv_pad: int = 0
-    prefills: list[_Prefill] | None = None
+    prefills: list[_Prefill] = field(default_factory=list)
 
 
 def _kv_rows(tables: list[list[int]], kv_lens: list[int], block_size: int, num_kv_heads: int, pad_to: int,
@@ -71,9 +71,9 @@ class TorchPagedBackend:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         device = meta.qo_indptr.device
-        bs, hkv, g = meta.block_size, num_kv_heads, num_q_heads // num_kv_heads
+        bs, hkv = meta.block_size, num_kv_heads
         v_shift = bs * hkv  # row offset from a K row to its V row
-        p = _Plan(meta, num_q_heads, num_kv_heads, head_dim, prefills=[])
+        p = _Plan(meta, num_q_heads, num_kv_heads, head_dim)
         q_starts = [0]
         for q_len in meta.q_lens:
             q_starts.append(q_starts[-1] + q_len)
@@ -98,11 +98,11 @@ class TorchPagedBackend:
             if q_len == 1:
                 continue
             k_rows = _kv_rows([meta.block_tables[i]], [kv_len], bs, hkv, kv_len, device)[0]
+            rows = torch.stack([k_rows, k_rows + v_shift]).flatten()
             # query i (0-based among the q_len new tokens) attends slots [0, kv_len - q_len + i]
             last = kv_len - q_len + torch.arange(q_len, device=device)
             causal = torch.arange(kv_len, device=device)[None, :] <= last[:, None]
-            p.prefills.append(_Prefill(q_starts[i], q_len, kv_len, torch.stack([k_rows, k_rows + v_shift]).flatten(),
-                                       causal.repeat(g, 1)))
+            p.prefills.append(_Prefill(q_starts[i], q_len, kv_len, rows, causal))
         self._plan = p
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -132,8 +132,10 @@ class TorchPagedBackend:
 
         for pf in p.prefills:
             n = pf.q_len
-            kv = rows.index_select(0, pf.rows).view(2, hkv, pf.kv_len, d).to(q.dtype)
-            qs = q[pf.q_start:pf.q_start + n].reshape(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
-            o = F.scaled_dot_product_attention(qs, kv[0], kv[1], attn_mask=pf.mask, scale=scale)
-            out[pf.q_start:pf.q_start + n] = o.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+            kv = rows.index_select(0, pf.rows).view(2, hkv, 1, pf.kv_len, d).to(q.dtype)
+            # GQA: batch over KV heads, the g query heads of a group see one K/V broadcast (stride 0, no copy)
+            qs = q[pf.q_start:pf.q_start + n].reshape(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
+            k_, v_ = (t.expand(hkv, g, pf.kv_len, d) for t in kv)
+            o = F.scaled_dot_product_attention(qs, k_, v_, attn_mask=pf.mask, scale=scale)  # [Hkv, g, n, D]
+            out[pf.q_start:pf.q_start + n] = o.permute(2, 0, 1, 3).reshape(n, hq, d)
         return out

@@ -40,6 +40,8 @@ class ModelConfig:
             named = archs or [getattr(hf, "model_type", None)]
             raise ValueError(f"unsupported model architecture {named}; supported: {list(SUPPORTED_ARCHITECTURES)}")
 
+        if getattr(hf, "use_sliding_window", False):
+            raise ValueError(f"{arch} with use_sliding_window=True is not supported")
         num_q_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_q_heads
         rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
