@@ -20,7 +20,8 @@ import torch
 
 from engine.attention import get_backend
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from engine.output_processor import OutputProcessor
+from engine.outputs import EngineStats, RequestOutput
 from engine.sampler import apply_min_tokens, sample, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -153,6 +154,7 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
         self.set_kv_compression(kv_compression)
+        self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
 
         self.requests: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -320,101 +322,14 @@ class Engine:
                     entry.setdefault(tid, val)
                 seq.logprobs.append(entry)
                 seq.cumulative_logprob += chosen[row]
-            self._detokenize(seq)
-            reason, stop_reason = self._check_stop(seq, token)
-            if reason is not None:
-                seq.finish_reason, seq.stop_reason = reason, stop_reason
-                self._flush_detokenizer(seq)
+            if self.output.append_token(seq, token):
                 self.scheduler.finish(seq)
-
-    # -- detokenization and stop conditions -------------------------------------------------------------
-    def _decode(self, ids: list[int], seq: Sequence) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
-
-    def _detokenize(self, seq: Sequence) -> None:
-        """Incremental detokenization: decode a short trailing window and append only complete characters."""
-        ids = seq.output_token_ids
-        prefix = self._decode(ids[seq.detok_prefix_offset:seq.detok_read_offset], seq)
-        full = self._decode(ids[seq.detok_prefix_offset:], seq)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self._append_text(seq, full[len(prefix):])
-            seq.detok_prefix_offset = seq.detok_read_offset
-            seq.detok_read_offset = len(ids)
-
-    def _flush_detokenizer(self, seq: Sequence) -> None:
-        if seq.finish_reason == "stop" and isinstance(seq.stop_reason, str):
-            return
-        ids = seq.output_token_ids
-        if seq.detok_read_offset < len(ids):
-            prefix = self._decode(ids[seq.detok_prefix_offset:seq.detok_read_offset], seq)
-            full = self._decode(ids[seq.detok_prefix_offset:], seq)
-            seq.text += full[len(prefix):]
-            seq.detok_read_offset = len(ids)
-
-    def _append_text(self, seq: Sequence, new: str) -> None:
-        start = len(seq.text)
-        seq.text += new
-        for stop in seq.params.stop_strings:
-            idx = seq.text.find(stop, max(0, start - len(stop) + 1))
-            if idx != -1:
-                end = idx + len(stop) if seq.params.include_stop_str_in_output else idx
-                seq.text = seq.text[:end]
-                seq.finish_reason, seq.stop_reason = "stop", stop
-                return
-
-    def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, str | int | None]:
-        p = seq.params
-        if seq.finish_reason == "stop":  # a stop string matched during detokenization
-            return "stop", seq.stop_reason
-        if seq.num_outputs >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return "stop", None
-            if token in p.stop_token_ids:
-                return "stop", token
-        if p.max_tokens is not None and seq.num_outputs >= p.max_tokens:
-            return "length", None
-        if seq.num_tokens >= self.max_model_len:
-            return "length", None
-        return None, None
-
-    # -- outputs ------------------------------------------------------------------------------------------
-    def _completion(self, seq: Sequence, delta: bool) -> CompletionOutput:
-        tokens = seq.output_token_ids
-        text = seq.text
-        if not seq.is_finished and seq.params.stop_strings:
-            # hold back what could still become a stop string
-            hold = max(len(s) for s in seq.params.stop_strings) - 1
-            text = text[:max(len(text) - hold, seq.sent_text)]
-        logprobs = seq.logprobs if seq.params.logprobs is not None else None
-        if delta:
-            out_tokens, out_text = tokens[seq.sent_tokens:], text[seq.sent_text:]
-            logprobs = logprobs[seq.sent_tokens:] if logprobs is not None else None
-            seq.sent_tokens, seq.sent_text = len(tokens), len(text)
-        else:
-            out_tokens, out_text = list(tokens), text
-        return CompletionOutput(
-            index=seq.index, text=out_text, token_ids=list(out_tokens),
-            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
-            logprobs=list(logprobs) if logprobs is not None else None,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-
-    def _request_output(self, req: Request, delta: bool) -> RequestOutput:
-        firsts = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
-        metrics = RequestMetrics(req.arrival_time, min(firsts) if firsts else None,
-                                 time.monotonic() if req.finished else None,
-                                 sum(s.num_preemptions for s in req.seqs))
-        scored = req.seqs[0].prompt_logprobs if req.seqs[0].score_from is not None else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
-                             [self._completion(s, delta) for s in req.seqs], req.finished, metrics,
-                             prompt_logprobs=list(scored) if scored is not None else None)
 
     def _emit(self, req: Request) -> None:
         if req.sink is not None:
-            req.sink(self._request_output(req, delta=True))
+            req.sink(self.output.request_output(req, delta=True))
         if req.finished:
-            req.final = self._request_output(req, delta=False)
+            req.final = self.output.request_output(req, delta=False)
             del self.requests[req.request_id]
             req.done.set()
 
@@ -550,6 +465,9 @@ class Engine:
         finally:
             if not req.done.is_set():
                 self.abort(req.request_id)
+
+    def reset_stats(self) -> None:
+        self._stats = EngineStats(num_blocks=self.pool.num_blocks)
 
     def stats(self) -> EngineStats:
         s = self._stats

@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # helper modules import as `helpers_models` or `tests.helpers_models`
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -15,7 +13,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
-    from tests.helpers_models import make_tiny_hf_model, save_tiny_tokenizer
+    from helpers_models import make_tiny_hf_model, save_tiny_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-llama")
     make_tiny_hf_model("llama", path, seed=0)

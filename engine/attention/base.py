@@ -99,9 +99,10 @@ class AttentionBackend(Protocol):
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V into the pages at their flat slots."""
+    """Scatter new K/V into the pages at their flat slots (one index_copy_ per K and V)."""
     num_blocks, _, block_size, h, d = kv_cache.shape
+    rows = kv_cache.view(num_blocks * 2 * block_size, h, d)
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping - blocks * block_size
-    kv_cache[blocks, 0, offsets] = k.to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = v.to(kv_cache.dtype)
+    k_rows = blocks * (2 * block_size) + (slot_mapping - blocks * block_size)
+    rows.index_copy_(0, k_rows, k.to(kv_cache.dtype))
+    rows.index_copy_(0, k_rows + block_size, v.to(kv_cache.dtype))

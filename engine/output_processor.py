@@ -1,0 +1,110 @@
+"""Turns sampled tokens into text and finish decisions, and sequences into user-facing outputs.
+
+Detokenization is incremental (a short trailing window is decoded each step, and only complete characters
+are appended); stop strings are searched in the new text only; streaming deltas hold back text that could
+still turn into a stop string.
+"""
+from __future__ import annotations
+
+import time
+
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sequence import Sequence
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def append_token(self, seq: Sequence, token: int) -> bool:
+        """Detokenize the sequence's newest token (already appended) and decide whether it finished."""
+        self.detokenize(seq)
+        reason, stop_reason = self.check_stop(seq, token)
+        if reason is None:
+            return False
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.flush(seq)
+        return True
+
+    def decode(self, ids: list[int], seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    def detokenize(self, seq: Sequence) -> None:
+        """Incremental detokenization: decode a short trailing window and append only complete characters."""
+        ids = seq.output_token_ids
+        prefix = self.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset], seq)
+        full = self.decode(ids[seq.detok_prefix_offset:], seq)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._append_text(seq, full[len(prefix):])
+            seq.detok_prefix_offset = seq.detok_read_offset
+            seq.detok_read_offset = len(ids)
+
+    def flush(self, seq: Sequence) -> None:
+        if seq.finish_reason == "stop" and isinstance(seq.stop_reason, str):
+            return
+        ids = seq.output_token_ids
+        if seq.detok_read_offset < len(ids):
+            prefix = self.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset], seq)
+            full = self.decode(ids[seq.detok_prefix_offset:], seq)
+            seq.text += full[len(prefix):]
+            seq.detok_read_offset = len(ids)
+
+    def _append_text(self, seq: Sequence, new: str) -> None:
+        start = len(seq.text)
+        seq.text += new
+        for stop in seq.params.stop_strings:
+            idx = seq.text.find(stop, max(0, start - len(stop) + 1))
+            if idx != -1:
+                end = idx + len(stop) if seq.params.include_stop_str_in_output else idx
+                seq.text = seq.text[:end]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return
+
+    def check_stop(self, seq: Sequence, token: int) -> tuple[str | None, str | int | None]:
+        p = seq.params
+        if seq.finish_reason == "stop":  # a stop string matched during detokenization
+            return "stop", seq.stop_reason
+        if seq.num_outputs >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            if token in p.stop_token_ids:
+                return "stop", token
+        if p.max_tokens is not None and seq.num_outputs >= p.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def completion(self, seq: Sequence, delta: bool) -> CompletionOutput:
+        tokens = seq.output_token_ids
+        text = seq.text
+        if not seq.is_finished and seq.params.stop_strings:
+            # hold back what could still become a stop string
+            hold = max(len(s) for s in seq.params.stop_strings) - 1
+            text = text[:max(len(text) - hold, seq.sent_text)]
+        logprobs = seq.logprobs if seq.params.logprobs is not None else None
+        if delta:
+            out_tokens, out_text = tokens[seq.sent_tokens:], text[seq.sent_text:]
+            logprobs = logprobs[seq.sent_tokens:] if logprobs is not None else None
+            seq.sent_tokens, seq.sent_text = len(tokens), len(text)
+        else:
+            out_tokens, out_text = list(tokens), text
+        return CompletionOutput(
+            index=seq.index, text=out_text, token_ids=list(out_tokens),
+            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+            logprobs=list(logprobs) if logprobs is not None else None,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+
+    def request_output(self, req, delta: bool) -> RequestOutput:
+        firsts = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
+        metrics = RequestMetrics(req.arrival_time, min(firsts) if firsts else None,
+                                 time.monotonic() if req.finished else None,
+                                 sum(s.num_preemptions for s in req.seqs))
+        scored = req.seqs[0].prompt_logprobs if req.seqs[0].score_from is not None else None
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
+                             [self.completion(s, delta) for s in req.seqs], req.finished, metrics,
+                             prompt_logprobs=list(scored) if scored is not None else None)
