@@ -130,11 +130,13 @@ class CompressionPolicy:
         kv = engine.kv_cache
         for seq, _, _ in picked:  # the tail must be uncompressed: its slots are the newest in the cache
             assert seq.kv_len - seq.compressed_kv_len == seq.uncompressed_tail, "stale compression frontier"
-        queries = engine.runner.recompute_queries([(s, s.compressed_tokens, s.uncompressed_tail) for s, _, _ in picked])
+        # Only the tail's first (num_windows - 1) * n + |W| tokens are in a window: the rest (up to a period's
+        # worth with compression_period = |W| - |U|) is neither scored nor needs its queries recomputed.
+        spans = [(s, s.compressed_tokens, (k - 1) * c.region_len + c.window) for s, c, k in picked]
+        queries = engine.runner.recompute_queries(spans)
         jobs, offsets = [], 0
         by_cfg: dict[int, list] = {}
-        for seq, cfg, num_windows in picked:
-            tail = seq.uncompressed_tail
+        for (seq, cfg, num_windows), (_, _, tail) in zip(picked, spans):
             keys = gather_keys(kv, seq.block_table, seq.compressed_kv_len, tail)  # [L, Hkv, tail, D]
             q = queries[:, offsets:offsets + tail].transpose(1, 2)  # [L, Hq, tail, D]
             offsets += tail

@@ -181,6 +181,11 @@ class Engine:
 
         self._compression = make_policy(kv_compression, self)
 
+    @property
+    def kv_compression_config(self):
+        """The engine-wide `compression.KVCompressionConfig` (method "none" when off)."""
+        return self._compression.config
+
     def capacity_log_lines(self) -> list[str]:
         lines = [self.kv_cache.capacity_line(self.max_model_len)]
         lines.extend(self._compression.capacity_lines(self.kv_cache.num_tokens, self.max_model_len))
@@ -450,8 +455,14 @@ class Engine:
         """Async generator of delta outputs; closing it early aborts the request."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-        req = self._make_request(prompt, sampling_params, request_id,
-                                 sink=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+
+        def sink(out) -> None:  # runs on the engine thread
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, out)
+            except RuntimeError:  # the consumer's event loop is gone: nobody is listening any more
+                self.abort(req.request_id)
+
+        req = self._make_request(prompt, sampling_params, request_id, sink=sink)
         self.start()
         self._submit(req)
         try:

@@ -88,14 +88,17 @@ class ModelRunner:
     @torch.inference_mode()
     def recompute_queries(self, spans: list[tuple[Sequence, int, int]]) -> torch.Tensor:
         """Post-RoPE queries of every layer for already-cached tokens. Each span is (seq, first logical
-        token, count); the tokens must be the newest ones in the KV cache (they sit at the end of kv_len).
-        Returns [L, T, Hq, D] with the spans' tokens concatenated."""
-        input_ids, positions = [], []
+        token, count); the span and every token after it must be uncompressed (one KV slot each, at the end of
+        kv_len), e.g. a prefix of the uncompressed tail: the span's queries then attend exactly the slots up to
+        its last token, so later tokens need not be recomputed. Returns [L, T, Hq, D] with the spans' tokens
+        concatenated."""
+        input_ids, positions, kv_ends = [], [], []
         for seq, start, n in spans:
             input_ids.extend(_token_slice(seq, start, n))
             positions.extend(range(start, start + n))
+            kv_ends.append(seq.kv_len - (seq.num_computed_tokens - (start + n)))  # the slot after the span's end
         meta = build_metadata([s.block_table for s, _, _ in spans], [n for _, _, n in spans],
-                              [s.kv_len for s, _, _ in spans], self.kv_cache.block_size, self.device, write=False)
+                              kv_ends, self.kv_cache.block_size, self.device, write=False)
         self._plan(meta)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)

@@ -344,13 +344,8 @@ class ServerState:
         return _Admission(self)
 
     def kv_compression_base(self) -> Any:
-        eng = self.engine
-        cfg = getattr(eng, "kv_compression_config", None)
-        if cfg is None:
-            cfg = getattr(getattr(eng, "_compression", None), "config", None)
-        if cfg is None or getattr(cfg, "method", "none") == "none":
-            return None
-        return cfg
+        cfg = self.engine.kv_compression_config
+        return cfg if cfg.enabled else None
 
     def sampling_params(self, req: Union[CompletionRequest, ChatCompletionRequest]) -> Any:
         return to_sampling_params(req, vocab_size=self.vocab_size, kv_compression_base=self.kv_compression_base())

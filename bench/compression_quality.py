@@ -1,0 +1,363 @@
+"""Compression quality: teacher-forced NLL on SmolLM2 through the engine's own (compressed) KV cache.
+
+Every trial is one sequence: a short context (never compressed) and a continuation of real text fed through the
+normal scheduler 16 tokens per step (`Engine.score`'s path), so the periodic policy compresses the continuation's
+windows exactly as it would while decoding. The continuation is
+
+    lead-in (real text) | passage | filler (>= 2.8k tokens of real text) | the same passage again
+
+The passage is a distinctive piece of prose (a Python standard-library module docstring) planted early, so its KV
+sits in the first compressed window; the repetition at the end can only be predicted well if the compressed cache
+kept enough of it (long-range recall). The filler is license text from /usr/share/common-licenses, taken at a
+different offset in every trial.
+
+Reported per method, averaged over the trials: mean NLL per token of the text (every continuation token except
+the repeated passage), the same over the tokens scored after the first compression round only, the NLL of the
+repeated passage (recall), and the final KV length. All window methods keep exactly ceil(r*n) + alpha slots of
+every compressed window, so they end at the same KV length. All sequences of a run are scored in one batch, in
+lockstep, so every method sees the same compression rounds.
+
+    .venv/bin/python bench/compression_quality.py [--ratio 0.3 ...] [--trials 3] [--max-tokens N] [--no-write]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import real_text, write_section  # noqa: E402
+from compression.base import KVCompressionConfig  # noqa: E402
+
+METHODS = ("none", "kara", "kara_no_chunk", "kara_buffer_queries", "random", "streaming")
+LABELS = {
+    "none": "full cache (none)",
+    "kara": "Kara",
+    "kara_no_chunk": "Kara w/o Token2Chunk",
+    "kara_buffer_queries": "Kara w/o Bi-Attention (buffer queries)",
+    "random": "random in window",
+    "streaming": "StreamingLLM (recency)",
+}
+#: Standard-library modules whose docstrings serve as planted passages (distinctive prose, not license text).
+PASSAGE_MODULES = ("sched", "colorsys", "difflib", "tabnanny", "wave", "heapq", "statistics", "pydoc")
+#: The paper's defaults (|W| = 512, |U| = 64, gamma = 8, alpha = 16); period = |W| - |U|.
+DEFAULT_WINDOW = dict(window=512, buffer=64, chunk_max=8, chunk_budget=16, compression_period=448)
+
+
+@dataclass
+class Trial:
+    context: list[int]
+    continuation: list[int]
+    passage: tuple[int, int]  # [start, end) of the planted passage in the continuation
+    recall: tuple[int, int]  # [start, end) of its repetition (the recall span)
+    name: str = ""
+
+
+@dataclass
+class MethodResult:
+    method: str
+    ratio: float | None
+    logprobs: list[list[float]]  # per trial, log p of every continuation token
+    kv_len: float  # final KV slots per sequence (context + continuation − evicted)
+    logical_len: int  # context + continuation tokens per sequence
+    tokens_seen: float = 0.0  # per sequence
+    tokens_evicted: float = 0.0
+    late_from: int = 0  # first continuation index scored after the first compression round
+    trials: list[Trial] = field(default_factory=list)
+
+    def _mean(self, spans: Sequence[Sequence[int]]) -> float:
+        vals = [-lp[i] for lp, idx in zip(self.logprobs, spans) for i in idx]
+        return sum(vals) / len(vals)
+
+    @property
+    def text_nll(self) -> float:
+        """Mean NLL over every continuation token except the repeated passage."""
+        return self._mean([[i for i in range(len(lp)) if not t.recall[0] <= i < t.recall[1]]
+                           for lp, t in zip(self.logprobs, self.trials)])
+
+    @property
+    def late_nll(self) -> float:
+        """Mean NLL over the text tokens scored after the first compression round (same tokens for every method)."""
+        return self._mean([[i for i in range(self.late_from, len(lp)) if not t.recall[0] <= i < t.recall[1]]
+                           for lp, t in zip(self.logprobs, self.trials)])
+
+    def recall_per_trial(self) -> list[float]:
+        return [sum(-lp[i] for i in range(*t.recall)) / (t.recall[1] - t.recall[0])
+                for lp, t in zip(self.logprobs, self.trials)]
+
+    @property
+    def recall_nll(self) -> float:
+        return self._mean([range(*t.recall) for t in self.trials])
+
+    @property
+    def first_copy_nll(self) -> float:
+        """NLL of the planted passage itself (scored before any compression: the no-recall reference)."""
+        return self._mean([range(*t.passage) for t in self.trials])
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+def passages(tokenizer, count: int, length: int) -> list[tuple[str, list[int]]]:
+    """`count` passages of exactly `length` tokens from standard-library module docstrings."""
+    out = []
+    for name in PASSAGE_MODULES:
+        doc = (importlib.import_module(name).__doc__ or "").strip()
+        ids = tokenizer("\n\n" + doc + "\n\n", add_special_tokens=False).input_ids
+        if len(ids) >= length:
+            out.append((name, ids[:length]))
+        if len(out) == count:
+            return out
+    raise ValueError(f"only {len(out)} standard-library docstrings have >= {length} tokens; use fewer trials")
+
+
+def make_trials(tokenizer, num_trials: int, *, filler_len: int = 2880, lead_len: int = 96, passage_len: int = 80,
+                context_len: int = 32) -> list[Trial]:
+    """Trials over license text at spread-out offsets; each plants a different passage."""
+    text = tokenizer(real_text(), add_special_tokens=False).input_ids
+    span = context_len + lead_len + filler_len
+    if span > len(text):
+        raise ValueError(f"need {span} tokens of real text, have {len(text)}")
+    step = (len(text) - span) // max(1, num_trials)
+    trials = []
+    for k, (name, p) in enumerate(passages(tokenizer, num_trials, passage_len)):
+        s = k * step
+        ids = text[s:s + span]
+        ctx, lead, filler = ids[:context_len], ids[context_len:context_len + lead_len], ids[context_len + lead_len:]
+        cont = lead + p + filler + p
+        trials.append(Trial(ctx, cont, (lead_len, lead_len + passage_len), (len(cont) - passage_len, len(cont)),
+                            name=f"{name} @ license token {s}"))
+    return trials
+
+
+def synthetic_trials(num_trials: int, *, vocab: int, filler_len: int, lead_len: int, passage_len: int,
+                     context_len: int, seed: int = 0) -> list[Trial]:
+    """Random-token trials of the same shape (for tiny test models without a real tokenizer)."""
+    g = torch.Generator().manual_seed(seed)
+    trials = []
+    for _ in range(num_trials):
+        r = torch.randint(0, vocab, (context_len + lead_len + filler_len + passage_len,), generator=g).tolist()
+        ctx, lead = r[:context_len], r[context_len:context_len + lead_len]
+        filler = r[context_len + lead_len:context_len + lead_len + filler_len]
+        p = r[context_len + lead_len + filler_len:]
+        cont = lead + p + filler + p
+        trials.append(Trial(ctx, cont, (lead_len, lead_len + passage_len), (len(cont) - passage_len, len(cont))))
+    return trials
+
+
+# ----------------------------------------------------------------------------------------------- scoring
+def score_many(engine, items: list[tuple[list[int], list[int], Any]], chunk_size: int = 16) -> list[list[float]]:
+    """`Engine.score` for several (context, continuation, kv_compression) at once: every request is submitted
+    before the first step, so all are scored in the same batches, in lockstep (same compression rounds)."""
+    from engine.sampling_params import SamplingParams
+
+    reqs = []
+    for ctx, cont, kvc in items:
+        if not ctx or not cont:
+            raise ValueError("score: context and continuation must be non-empty")
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, kv_compression=kvc)
+        reqs.append(engine._make_request(list(ctx) + list(cont), params, None, score_from=len(ctx),
+                                         max_chunk=chunk_size))
+    outs = engine._run(reqs, use_tqdm=False)
+    return [list(o.prompt_logprobs) for o in outs]
+
+
+def method_config(method: str, ratio: float, window: dict) -> KVCompressionConfig:
+    return KVCompressionConfig(method=method, ratio=ratio, **window) if method != "none" else KVCompressionConfig(
+        method="none")
+
+
+def evaluate(engine, trials: list[Trial], methods: Sequence[str] = METHODS, ratios: Sequence[float] = (0.3,),
+             window: dict | None = None, chunk_size: int = 16) -> list[MethodResult]:
+    """Score every trial under every (method, ratio) in one batch; "none" is run once. The compression policy
+    is reset first, so its global decode-step counter starts at 0. Returns one MethodResult per
+    (method, ratio) with per-sequence KV accounting derived from the engine's compression stats."""
+    window = dict(DEFAULT_WINDOW if window is None else window)
+    lengths = {len(t.context) + len(t.continuation) for t in trials}
+    lens_cont = {len(t.continuation) for t in trials}
+    if len(lens_cont) != 1:
+        raise ValueError("all trials must have the same continuation length (lockstep accounting)")
+    runs: list[tuple[str, float | None, KVCompressionConfig]] = []
+    for m in methods:
+        if m == "none":
+            runs.append((m, None, method_config(m, 1.0, window)))
+        else:
+            runs.extend((m, r, method_config(m, r, window)) for r in ratios)
+    engine.set_kv_compression(None)  # fresh policy: decode-step counter at 0, fresh compressors (random seed)
+    before = engine.stats()
+    items = [(t.context, t.continuation, cfg) for _, _, cfg in runs for t in trials]
+    logprobs = score_many(engine, items, chunk_size)
+    after = engine.stats()
+    engine.check_invariants()
+
+    # Per-sequence accounting: all window sequences run in lockstep with the same n, so they compress the same
+    # number of windows; each keeps its config's kept_per_window of every window.
+    seen = after.compression_tokens_seen - before.compression_tokens_seen
+    evicted = after.compression_tokens_evicted - before.compression_tokens_evicted
+    window_runs = [cfg for _, _, cfg in runs if cfg.enabled]
+    n = window["window"] - window["buffer"]
+    num_seqs = len(window_runs) * len(trials)
+    windows_per_seq = seen / (n * num_seqs) if num_seqs else 0
+    if num_seqs:
+        assert windows_per_seq == int(windows_per_seq), f"sequences compressed unequal window counts ({seen})"
+        expected = sum(int(windows_per_seq) * (n - cfg.kept_per_window) for cfg in window_runs) * len(trials)
+        assert evicted == expected, f"evicted {evicted} != expected {expected}"
+    windows_per_seq = int(windows_per_seq)
+
+    # The first round that compresses anything runs once a sequence's uncompressed tail holds |W| tokens and the
+    # decode counter reaches a round; tokens before the first window is compressed are scored identically by all.
+    late_from = _first_compressed_step(len(trials[0].continuation), window, chunk_size) if num_seqs else 0
+
+    # Sanity check: before the first compression every method's cache equals the full one.
+    none_lps = [logprobs[k * len(trials):(k + 1) * len(trials)] for k, (m, _, _) in enumerate(runs) if m == "none"]
+    if none_lps:
+        for k in range(len(runs)):
+            for a, b in zip(logprobs[k * len(trials):(k + 1) * len(trials)], none_lps[0]):
+                diff = max((abs(x - y) for x, y in zip(a[:late_from], b[:late_from])), default=0.0)
+                assert diff < 1e-3, f"{runs[k][0]} differs from the full cache by {diff} before any compression"
+
+    results = []
+    logical = lengths.pop() if len(lengths) == 1 else max(lengths)
+    for k, (m, r, cfg) in enumerate(runs):
+        lps = logprobs[k * len(trials):(k + 1) * len(trials)]
+        ev = windows_per_seq * (n - cfg.kept_per_window) if cfg.enabled else 0
+        results.append(MethodResult(m, r, lps, kv_len=logical - ev, logical_len=logical,
+                                    tokens_seen=windows_per_seq * n if cfg.enabled else 0, tokens_evicted=ev,
+                                    late_from=late_from, trials=trials))
+    return results
+
+
+def _first_compressed_step(cont_len: int, window: dict, chunk_size: int) -> int:
+    """Continuation index of the first token scored with a compressed cache. Mirrors the periodic policy with a
+    fresh counter and compression off engine-wide: a round right after the context's prefill step (decode
+    counter 0), then one whenever the counter (continuation tokens fed) reaches the previous round's count +
+    `compression_period`; a round compresses only once the uncompressed tail holds >= |W| tokens. The step after
+    the round that fed tokens [s, s + chunk) scores continuation tokens s + 1 ... s + chunk."""
+    period, w = window["compression_period"], window["window"]
+    fed, next_round = 0, period
+    while fed < cont_len:
+        fed = min(fed + chunk_size, cont_len)
+        if fed >= next_round and fed < cont_len:
+            next_round = fed + period
+            if fed >= w:
+                return fed + 1
+    return cont_len
+
+
+# ----------------------------------------------------------------------------------------------- output
+def tables(results: list[MethodResult], trials: list[Trial]) -> str:
+    none = next((r for r in results if r.method == "none"), None)
+    head = ("| method | r | final KV slots / tokens | text NLL | Δ vs full | NLL after 1st round | Δ vs full "
+            "| recall NLL | Δ vs full |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for res in results:
+        d = (lambda a, b: f"{a - b:+.4f}") if none is not None else (lambda a, b: "-")
+        ratio = "-" if res.ratio is None else f"{res.ratio:g}"
+        lines.append(
+            f"| {LABELS.get(res.method, res.method)} | {ratio} | {res.kv_len:.0f} / {res.logical_len} "
+            f"({res.kv_len / res.logical_len:.1%}) | {res.text_nll:.4f} | {d(res.text_nll, none.text_nll)} "
+            f"| {res.late_nll:.4f} | {d(res.late_nll, none.late_nll)} | {res.recall_nll:.3f} "
+            f"| {d(res.recall_nll, none.recall_nll)} |")
+    lines += ["", "Recall NLL per trial (passage):", "",
+              "| method | r | " + " | ".join(t.name.split(" @")[0] or f"trial {i}" for i, t in enumerate(trials))
+              + " |", "|---|---:|" + "---:|" * len(trials)]
+    for res in results:
+        ratio = "-" if res.ratio is None else f"{res.ratio:g}"
+        lines.append(f"| {LABELS.get(res.method, res.method)} | {ratio} | "
+                     + " | ".join(f"{v:.3f}" for v in res.recall_per_trial()) + " |")
+    if none is not None:
+        lines.append(f"| first occurrence (no recall possible) | - | "
+                     + " | ".join(f"{sum(-lp[i] for i in range(*t.passage)) / (t.passage[1] - t.passage[0]):.3f}"
+                                  for lp, t in zip(none.logprobs, trials)) + " |")
+    return "\n".join(lines)
+
+
+def verdict(results: list[MethodResult]) -> list[str]:
+    out = []
+    for r in sorted({x.ratio for x in results if x.ratio is not None}):
+        by = {x.method: x for x in results if x.ratio == r}
+        if "kara" not in by:
+            continue
+        k = by["kara"]
+        for other in ("random", "kara_buffer_queries", "streaming", "kara_no_chunk"):
+            if other in by:
+                o = by[other]
+                wins = sum(a < b for a, b in zip(k.recall_per_trial(), o.recall_per_trial()))
+                out.append(f"r={r:g}: Kara recall NLL {k.recall_nll:.3f} vs {LABELS[other]} {o.recall_nll:.3f} "
+                           f"({'lower' if k.recall_nll < o.recall_nll else 'NOT lower'}; lower in {wins}/"
+                           f"{len(k.trials)} trials); text NLL {k.text_nll:.4f} vs {o.text_nll:.4f}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ratio", type=float, nargs="+", default=[0.3], help="retention ratio(s) r (default 0.3)")
+    ap.add_argument("--trials", type=int, default=3, help="passage/filler pairs (default 3, at most 8)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="cap the continuation length (shrinks the filler; default: 2880-token filler, 3136 total)")
+    ap.add_argument("--passage-len", type=int, default=80)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: on a shared 2-core machine 2 OpenMP threads are far slower)")
+    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from engine import Engine
+
+    t_start = time.perf_counter()
+    lead, ctx_len = 96, 32
+    filler = 2880
+    if args.max_tokens is not None:
+        filler = args.max_tokens - lead - 2 * args.passage_len
+        if filler < 1:
+            raise SystemExit(f"--max-tokens must exceed {lead + 2 * args.passage_len}")
+    cont_len = lead + 2 * args.passage_len + filler
+    seqs = args.trials * (1 + (len(METHODS) - 1) * len(args.ratio))
+    blocks = seqs * math.ceil((ctx_len + cont_len + 16) / 16) + 16
+    engine = Engine(model="smollm2", dtype="float32", device="cpu", max_model_len=8192, num_kv_blocks=blocks,
+                    max_num_seqs=max(64, seqs), max_num_batched_tokens=max(2048, seqs * 16 + ctx_len * seqs))
+    trials = make_trials(engine.tokenizer, args.trials, filler_len=filler, lead_len=lead,
+                         passage_len=args.passage_len, context_len=ctx_len)
+    t0 = time.perf_counter()
+    results = evaluate(engine, trials, METHODS, args.ratio, DEFAULT_WINDOW)
+    elapsed = time.perf_counter() - t0
+    st = engine.stats()
+    body = tables(results, trials)
+    w = DEFAULT_WINDOW
+    notes = [
+        "",
+        f"SmolLM2-135M-Instruct (GGUF dequantized, float32, CPU, {args.threads} thread). {args.trials} trials, each "
+        f"one sequence: {ctx_len}-token context (never compressed) + {cont_len}-token continuation = {lead}-token "
+        f"lead-in, {args.passage_len}-token passage (a stdlib module docstring), {filler} tokens of license text "
+        f"(/usr/share/common-licenses, a different offset per trial), the passage again. Teacher-forced through the "
+        f"engine's own paged cache, 16 tokens per step, compression by the periodic policy as while decoding: "
+        f"|W|={w['window']}, |U|={w['buffer']}, γ={w['chunk_max']}, α={w['chunk_budget']}, compression_period="
+        f"{w['compression_period']} decode steps; every window method keeps ⌈r·448⌉+16 slots of each compressed "
+        f"window (same KV length for all of them). All {seqs} sequences are scored in one batch, in lockstep.",
+        "",
+        f"text NLL: mean over the {args.trials}×{cont_len - args.passage_len} continuation tokens except the repeated "
+        f"passage; NLL after 1st round: the same over tokens from continuation index {results[0].late_from} on "
+        f"(earlier tokens are scored before any compression, identically by every method); recall NLL: mean over "
+        f"the repeated passage's tokens (the first occurrence's NLL is the no-recall reference).",
+        "",
+        *[f"- {v}" for v in verdict(results)],
+        "",
+        f"Runtime {elapsed:.0f} s for the scoring ({st.num_steps} engine steps, {st.compression_rounds} compression "
+        f"rounds taking {st.compression_seconds:.0f} s).",
+    ]
+    body += "\n" + "\n".join(notes)
+    print(body)
+    print(f"total wall time {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+    if not args.no_write:
+        cmd = "python bench/compression_quality.py " + " ".join(sys.argv[1:])
+        write_section("Compression quality (teacher-forced NLL, SmolLM2)", cmd.strip(), body)
+
+
+if __name__ == "__main__":
+    main()

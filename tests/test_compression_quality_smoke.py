@@ -1,0 +1,78 @@
+"""bench/compression_quality.py's core on the tiny random Llama (fast), and the partial-tail query recomputation
+the periodic policy relies on."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.compression_quality import METHODS, evaluate, synthetic_trials  # noqa: E402
+from engine import SamplingParams  # noqa: E402
+
+WINDOW = dict(window=16, buffer=4, chunk_max=4, chunk_budget=2, compression_period=12)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls: OpenMP with 2 threads on a busy 2-core machine is many times slower than 1 thread."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def test_core_returns_finite_nlls_and_none_matches_engine_score(make_engine, one_thread):
+    eng = make_engine(num_kv_blocks=256)
+    vocab = eng.model_config.vocab_size
+    trials = synthetic_trials(2, vocab=vocab, filler_len=40, lead_len=4, passage_len=6, context_len=5)
+    results = evaluate(eng, trials, METHODS, ratios=(0.3,), window=WINDOW, chunk_size=4)
+    assert [r.method for r in results] == list(METHODS)
+    n = WINDOW["window"] - WINDOW["buffer"]
+    for res in results:
+        for value in (res.text_nll, res.late_nll, res.recall_nll, res.first_copy_nll):
+            assert math.isfinite(value) and value > 0, (res.method, value)
+        assert all(len(lp) == len(t.continuation) for lp, t in zip(res.logprobs, trials))
+        if res.method == "none":
+            assert res.kv_len == res.logical_len and res.tokens_seen == 0
+        else:  # every window method ends at the same KV length: ceil(0.3 * 12) + 2 = 6 of every 12 kept
+            assert res.tokens_seen > 0 and res.tokens_seen % n == 0
+            assert res.tokens_evicted == res.tokens_seen // n * (n - 6)
+            assert res.kv_len == res.logical_len - res.tokens_evicted
+            assert res.late_from < len(trials[0].continuation)
+
+    none = results[0]
+    ref_text = []
+    for t, lps in zip(trials, none.logprobs):
+        ref = eng.score(t.context, t.continuation, chunk_size=4).prompt_logprobs
+        assert len(ref) == len(lps)
+        assert max(abs(a - b) for a, b in zip(ref, lps)) < 1e-4
+        ref_text += [-x for i, x in enumerate(ref) if not t.recall[0] <= i < t.recall[1]]
+    assert abs(sum(ref_text) / len(ref_text) - none.text_nll) < 1e-4
+    # compression changed something after the first round (the tiny model's NLLs are not all identical)
+    assert any(r.logprobs != none.logprobs for r in results[1:])
+
+
+def test_recompute_queries_of_a_tail_prefix_equal_the_full_tail(make_engine, one_thread):
+    """The policy recomputes only the windows' part of the uncompressed tail; the queries of that prefix must be
+    the same as when the whole tail is recomputed (also after earlier rounds shrank kv_len)."""
+    small = dict(method="kara", ratio=0.25, **WINDOW)
+    eng = make_engine(num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, kv_compression=small)
+    req = eng._make_request(list(range(10, 80)), params, "a", score_from=6, max_chunk=4)
+    eng._submit(req)
+    checked = 0
+    while not req.done.is_set():
+        eng.step()
+        seq = req.seqs[0]
+        if seq.is_finished or seq.uncompressed_tail < 12:
+            continue
+        tail = seq.uncompressed_tail
+        full = eng.runner.recompute_queries([(seq, seq.compressed_tokens, tail)])
+        part = eng.runner.recompute_queries([(seq, seq.compressed_tokens, tail - 5)])
+        torch.testing.assert_close(part, full[:, :tail - 5], rtol=1e-5, atol=1e-5)
+        checked += seq.kv_len < seq.num_computed_tokens
+    assert checked > 0  # some checks ran on an already-compressed sequence
