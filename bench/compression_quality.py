@@ -17,7 +17,13 @@ repeated passage (recall), and the final KV length. All window methods keep exac
 every compressed window, so they end at the same KV length. All sequences of a run are scored in one batch, in
 lockstep, so every method sees the same compression rounds.
 
+`--diagnose` runs only a cheap selection diagnostic (each trial's first window; which share of the passage's slots
+every method keeps, and Kara's keep rate by position in the window) and writes it to its own section.
+
     .venv/bin/python bench/compression_quality.py [--ratio 0.3 ...] [--trials 3] [--max-tokens N] [--no-write]
+    .venv/bin/python bench/compression_quality.py --diagnose --trials 10 --ratio 0.2 0.3 0.5
+
+The defaults take ~14 min on a busy 2-core AVX2 CPU (1 thread); `--trials 1 --max-tokens 1200` takes ~2 min.
 """
 from __future__ import annotations
 
@@ -47,7 +53,8 @@ LABELS = {
     "streaming": "StreamingLLM (recency)",
 }
 #: Standard-library modules whose docstrings serve as planted passages (distinctive prose, not license text).
-PASSAGE_MODULES = ("sched", "colorsys", "difflib", "tabnanny", "wave", "heapq", "statistics", "pydoc")
+PASSAGE_MODULES = ("sched", "colorsys", "difflib", "tabnanny", "wave", "heapq", "statistics", "pydoc", "argparse",
+                   "pickletools", "imaplib", "ftplib")
 #: The paper's defaults (|W| = 512, |U| = 64, gamma = 8, alpha = 16); period = |W| - |U|.
 DEFAULT_WINDOW = dict(window=512, buffer=64, chunk_max=8, chunk_budget=16, compression_period=448)
 
@@ -250,12 +257,104 @@ def _first_compressed_step(cont_len: int, window: dict, chunk_size: int) -> int:
     return cont_len
 
 
+def first_window_selections(engine, trials: list[Trial], methods: Sequence[str], ratios: Sequence[float],
+                            window: dict | None = None) -> dict[tuple[str, float], list[torch.Tensor]]:
+    """Kept region indices [L, Hkv, K] of each trial's first window, per (window method, ratio). The planted passage
+    lies in the continuation's first window [0, |W|); the window's queries and keys do not depend on anything after
+    it, so running each trial's context + first window and selecting on it reproduces the selection the periodic
+    policy makes in its first effective round (for "random": one draw of the same law)."""
+    from compression.base import make_compressor
+    from compression.policies import gather_keys
+    from engine.sampling_params import SamplingParams
+
+    window = dict(DEFAULT_WINDOW if window is None else window)
+    w, n = window["window"], window["window"] - window["buffer"]
+    out: dict[tuple[str, float], list[torch.Tensor]] = {}
+    for t in trials:
+        if not t.passage[1] <= n:
+            raise ValueError("the passage must lie in the first window's compressible region")
+        ids = t.context + t.continuation[:w]
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        req = engine._make_request(ids, params, None, score_from=len(t.context), max_chunk=w)
+        engine._submit(req)
+        seq = req.seqs[0]
+        while seq.num_computed_tokens < len(ids) and not seq.is_finished:
+            engine.step()
+        assert seq.num_computed_tokens == seq.kv_len == len(ids), "diagnostic sequence was compressed or preempted"
+        q = engine.runner.recompute_queries([(seq, len(t.context), w)]).transpose(1, 2)  # [L, Hq, W, D]
+        k = gather_keys(engine.kv_cache, seq.block_table, len(t.context), w)  # [L, Hkv, W, D]
+        engine.abort(req.request_id)
+        engine.step()
+        for m in methods:
+            if m == "none":
+                continue
+            for r in ratios:
+                out.setdefault((m, r), []).append(make_compressor(method_config(m, r, window)).select(q, k, n).cpu())
+    engine.check_invariants()
+    return out
+
+
+def passage_kept_fraction(engine, trials: list[Trial], methods: Sequence[str], ratios: Sequence[float],
+                          window: dict | None = None) -> dict[tuple[str, float], float]:
+    """Diagnostic: the share of the planted passage's KV slots each window method keeps when the passage's window
+    is compressed, averaged over layers, KV heads and trials (see `first_window_selections`)."""
+    sels = first_window_selections(engine, trials, methods, ratios, window)
+    return {key: sum(_passage_stats(sel, t.passage)[0] for sel, t in zip(v, trials)) / len(trials)
+            for key, v in sels.items()}
+
+
+def _passage_stats(sel: torch.Tensor, passage: tuple[int, int]) -> tuple[float, float]:
+    """(share of passage slots kept over all layers and KV heads, share of passage tokens kept by at least one
+    KV head of a layer, averaged over layers)."""
+    L, hkv, _ = sel.shape
+    size = passage[1] - passage[0]
+    inside = (sel >= passage[0]) & (sel < passage[1])
+    share = inside.sum().item() / (L * hkv * size)
+    hits = torch.zeros(L, hkv, size, dtype=torch.int64)
+    hits.scatter_add_(-1, (sel - passage[0]).clamp(0, size - 1), inside.long())
+    union = (hits > 0).any(dim=1).float().mean().item()
+    return share, union
+
+
+def diagnose(engine, trials: list[Trial], methods: Sequence[str], ratios: Sequence[float],
+             window: dict | None = None) -> str:
+    """Selection-only diagnostic over many trials (cheap: one window each): how much of the planted passage each
+    method keeps, and where in the window Kara's kept slots lie."""
+    window = dict(DEFAULT_WINDOW if window is None else window)
+    n = window["window"] - window["buffer"]
+    sels = first_window_selections(engine, trials, methods, ratios, window)
+    lines = ["| method | r | kept per window | passage slots kept (mean) | min..max over trials "
+             "| passage tokens kept by >= 1 KV head of a layer |", "|---|---:|---:|---:|---:|---:|"]
+    for (m, r), v in sels.items():
+        stats = [_passage_stats(sel, t.passage) for sel, t in zip(v, trials)]
+        shares = [a for a, _ in stats]
+        lines.append(f"| {LABELS[m]} | {r:g} | {v[0].shape[-1]}/{n} ({v[0].shape[-1] / n:.1%}) "
+                     f"| {sum(shares) / len(shares):.1%} | {min(shares):.1%}..{max(shares):.1%} "
+                     f"| {sum(b for _, b in stats) / len(stats):.1%} |")
+    # where Kara's kept slots lie in the window: keep rate per band of region positions, passage band marked
+    bands = [(0, 32), (32, 64), (64, 96), (96, 176), (176, 256), (256, 352), (352, n)]
+    bands = [(a, min(b, n)) for a, b in bands if a < n]
+    lines += ["", "Keep rate by region position (all layers, KV heads, trials; region slots 0.." + str(n - 1)
+              + f", passage at {trials[0].passage[0]}..{trials[0].passage[1] - 1}):", "",
+              "| method | r | " + " | ".join(f"{a}-{b - 1}" for a, b in bands) + " |",
+              "|---|---:|" + "---:|" * len(bands)]
+    for (m, r), v in sels.items():
+        counts = torch.zeros(n)
+        for sel in v:
+            counts += torch.bincount(sel.flatten(), minlength=n).float()
+        rate = counts / (len(v) * v[0].shape[0] * v[0].shape[1])
+        lines.append(f"| {LABELS[m]} | {r:g} | " + " | ".join(f"{rate[a:b].mean().item():.1%}" for a, b in bands)
+                     + " |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------------- output
-def tables(results: list[MethodResult], trials: list[Trial]) -> str:
+def tables(results: list[MethodResult], trials: list[Trial], kept: dict | None = None) -> str:
     none = next((r for r in results if r.method == "none"), None)
+    kept = kept or {}
     head = ("| method | r | final KV slots / tokens | text NLL | Δ vs full | NLL after 1st round | Δ vs full "
-            "| recall NLL | Δ vs full |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| recall NLL | Δ vs full | passage slots kept |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for res in results:
         d = (lambda a, b: f"{a - b:+.4f}") if none is not None else (lambda a, b: "-")
         ratio = "-" if res.ratio is None else f"{res.ratio:g}"
@@ -263,7 +362,8 @@ def tables(results: list[MethodResult], trials: list[Trial]) -> str:
             f"| {LABELS.get(res.method, res.method)} | {ratio} | {res.kv_len:.0f} / {res.logical_len} "
             f"({res.kv_len / res.logical_len:.1%}) | {res.text_nll:.4f} | {d(res.text_nll, none.text_nll)} "
             f"| {res.late_nll:.4f} | {d(res.late_nll, none.late_nll)} | {res.recall_nll:.3f} "
-            f"| {d(res.recall_nll, none.recall_nll)} |")
+            f"| {d(res.recall_nll, none.recall_nll)} "
+            f"| {'100%' if res.method == 'none' else format(kept[(res.method, res.ratio)], '.1%') if (res.method, res.ratio) in kept else '-'} |")
     lines += ["", "Recall NLL per trial (passage):", "",
               "| method | r | " + " | ".join(t.name.split(" @")[0] or f"trial {i}" for i, t in enumerate(trials))
               + " |", "|---|---:|" + "---:|" * len(trials)]
@@ -272,7 +372,7 @@ def tables(results: list[MethodResult], trials: list[Trial]) -> str:
         lines.append(f"| {LABELS.get(res.method, res.method)} | {ratio} | "
                      + " | ".join(f"{v:.3f}" for v in res.recall_per_trial()) + " |")
     if none is not None:
-        lines.append(f"| first occurrence (no recall possible) | - | "
+        lines.append("| first occurrence (no recall possible) | - | "
                      + " | ".join(f"{sum(-lp[i] for i in range(*t.passage)) / (t.passage[1] - t.passage[0]):.3f}"
                                   for lp, t in zip(none.logprobs, trials)) + " |")
     return "\n".join(lines)
@@ -298,12 +398,14 @@ def verdict(results: list[MethodResult]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ratio", type=float, nargs="+", default=[0.3], help="retention ratio(s) r (default 0.3)")
-    ap.add_argument("--trials", type=int, default=3, help="passage/filler pairs (default 3, at most 8)")
+    ap.add_argument("--trials", type=int, default=3, help="passage/filler pairs (default 3)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="cap the continuation length (shrinks the filler; default: 2880-token filler, 3136 total)")
     ap.add_argument("--passage-len", type=int, default=80)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a shared 2-core machine 2 OpenMP threads are far slower)")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="only the cheap selection diagnostic (first window of each trial; no NLL runs)")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -320,15 +422,29 @@ def main() -> None:
     cont_len = lead + 2 * args.passage_len + filler
     seqs = args.trials * (1 + (len(METHODS) - 1) * len(args.ratio))
     blocks = seqs * math.ceil((ctx_len + cont_len + 16) / 16) + 16
+    if args.diagnose:  # one sequence of context + first window at a time
+        seqs, blocks = 1, math.ceil((ctx_len + DEFAULT_WINDOW["window"] + 16) / 16) + 16
     engine = Engine(model="smollm2", dtype="float32", device="cpu", max_model_len=8192, num_kv_blocks=blocks,
                     max_num_seqs=max(64, seqs), max_num_batched_tokens=max(2048, seqs * 16 + ctx_len * seqs))
     trials = make_trials(engine.tokenizer, args.trials, filler_len=filler, lead_len=lead,
                          passage_len=args.passage_len, context_len=ctx_len)
     t0 = time.perf_counter()
+    if args.diagnose:
+        body = diagnose(engine, trials, METHODS, args.ratio, DEFAULT_WINDOW)
+        body += (f"\n\n{args.trials} trials (passages: {', '.join(t.name for t in trials)}); the selection each method "
+                 f"makes on the window holding the planted passage (|W|={DEFAULT_WINDOW['window']}, "
+                 f"|U|={DEFAULT_WINDOW['buffer']}, γ={DEFAULT_WINDOW['chunk_max']}, α={DEFAULT_WINDOW['chunk_budget']}), "
+                 f"computed from the engine's recomputed queries and cached keys. {time.perf_counter() - t0:.0f} s.")
+        print(body)
+        if not args.no_write:
+            cmd = "python bench/compression_quality.py " + " ".join(sys.argv[1:])
+            write_section("Compression quality: which slots each method keeps (SmolLM2)", cmd.strip(), body)
+        return
     results = evaluate(engine, trials, METHODS, args.ratio, DEFAULT_WINDOW)
     elapsed = time.perf_counter() - t0
     st = engine.stats()
-    body = tables(results, trials)
+    kept = passage_kept_fraction(engine, trials, METHODS, args.ratio, DEFAULT_WINDOW)
+    body = tables(results, trials, kept)
     w = DEFAULT_WINDOW
     notes = [
         "",
@@ -344,7 +460,9 @@ def main() -> None:
         f"text NLL: mean over the {args.trials}×{cont_len - args.passage_len} continuation tokens except the repeated "
         f"passage; NLL after 1st round: the same over tokens from continuation index {results[0].late_from} on "
         f"(earlier tokens are scored before any compression, identically by every method); recall NLL: mean over "
-        f"the repeated passage's tokens (the first occurrence's NLL is the no-recall reference).",
+        f"the repeated passage's tokens (the first occurrence's NLL is the no-recall reference); passage slots kept: "
+        f"share of the planted passage's KV slots (over layers, KV heads, trials) the method keeps when its window "
+        f"is compressed (diagnostic: re-run of each trial's first window, selection only).",
         "",
         *[f"- {v}" for v in verdict(results)],
         "",

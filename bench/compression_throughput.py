@@ -5,7 +5,7 @@ tokens); every request generates a long output with ignore_eos; the engine runs 
 C in --concurrency. For each policy and C it prints output tok/s, the mean running batch, peak blocks used,
 preemptions and the share of engine time spent compressing (query recompute + scoring + compaction).
 
-    .venv/bin/python bench/compression_throughput.py [--num-requests 32] [--output-len 768] ...
+    .venv/bin/python bench/compression_throughput.py [--num-requests 32] [--output-len 512] ...
 """
 from __future__ import annotations
 
@@ -52,19 +52,24 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=768)
+    ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--pool-seqs", type=int, default=8, help="the pool holds this many uncompressed sequences")
     ap.add_argument("--concurrency", default="8,16,32")
     ap.add_argument("--policies", default="none,threshold,kara")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--buffer", type=int, default=32)
     ap.add_argument("--ratio", type=float, default=0.3)
+    ap.add_argument("--chunk-max", type=int, default=8)
+    ap.add_argument("--chunk-budget", type=int, default=16)
     ap.add_argument("--threshold-max", type=int, default=512)
     ap.add_argument("--threshold-target", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     seq_len = args.input_len + args.output_len
     num_blocks = args.pool_seqs * -(-seq_len // args.block_size)
@@ -77,6 +82,7 @@ def main() -> None:
         "threshold": {"method": "threshold", "threshold_max": args.threshold_max,
                       "threshold_target": args.threshold_target, "observation_window": 32},
         "kara": {"method": "kara", "window": args.window, "buffer": args.buffer, "ratio": args.ratio,
+                 "chunk_max": args.chunk_max, "chunk_budget": args.chunk_budget,
                  "compression_period": args.window - args.buffer},
     }
     engine.set_kv_compression("none")
@@ -101,10 +107,10 @@ def main() -> None:
         lines.append(f"| {policy} | {c} | {r['tok_s']:.1f} | {ratio} | {r['mean_batch']:.1f} | {r['peak_blocks']}/{num_blocks} "
                      f"| {r['preemptions']} | {r['rounds']} | {100 * r['compress_share']:.1f}% | {ret} |")
     body = "\n".join(lines)
-    body += (f"\n\n{args.model} ({engine.dtype}), {args.num_requests} requests x {args.input_len}-token real-text prompts, "
+    body += (f"\n\n{args.model} ({engine.dtype}, {torch.get_num_threads()} CPU thread(s)), {args.num_requests} requests x {args.input_len}-token real-text prompts, "
              f"{args.output_len} new tokens (ignore_eos, greedy); KV pool {num_blocks} blocks x {args.block_size} = room for "
              f"{args.pool_seqs} uncompressed sequences. kara: periodic, |W|={args.window}, |U|={args.buffer}, r={args.ratio}, "
-             f"γ=8, α=16, period {args.window - args.buffer}; threshold: SnapKV, C_max={args.threshold_max} -> "
+             f"γ={args.chunk_max}, α={args.chunk_budget}, period {args.window - args.buffer}; threshold: SnapKV, C_max={args.threshold_max} -> "
              f"N={args.threshold_target}. Retention = kept / scored tokens of the compressed regions.")
     kara = [results[("kara", c)]["tok_s"] for c in conc if ("kara", c) in results]
     if kara:

@@ -8,7 +8,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread: the server tests run the engine thread beside the test thread, and two OpenMP pools
+# on two cores make small matmuls collapse (spin-waiting threads), ~50x slower.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

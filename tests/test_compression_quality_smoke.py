@@ -10,7 +10,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.compression_quality import METHODS, evaluate, synthetic_trials  # noqa: E402
+from bench.compression_quality import (METHODS, _passage_stats, diagnose, evaluate, passage_kept_fraction,  # noqa: E402
+                                       synthetic_trials, tables)
 from engine import SamplingParams  # noqa: E402
 
 WINDOW = dict(window=16, buffer=4, chunk_max=4, chunk_budget=2, compression_period=12)
@@ -54,6 +55,20 @@ def test_core_returns_finite_nlls_and_none_matches_engine_score(make_engine, one
     assert abs(sum(ref_text) / len(ref_text) - none.text_nll) < 1e-4
     # compression changed something after the first round (the tiny model's NLLs are not all identical)
     assert any(r.logprobs != none.logprobs for r in results[1:])
+
+    kept = passage_kept_fraction(eng, trials, METHODS, (0.3,), WINDOW)
+    assert set(kept) == {(m, 0.3) for m in METHODS if m != "none"}
+    assert all(0.0 <= v <= 1.0 for v in kept.values())
+    assert kept[("streaming", 0.3)] == 4 / 6  # passage = region slots 4..9 of 12; streaming keeps the newest 6
+    assert "passage slots kept" in tables(results, trials, kept)
+    assert "Keep rate by region position" in diagnose(eng, trials, ("kara", "random"), (0.3,), WINDOW)
+
+
+def test_passage_stats():
+    sel = torch.tensor([[[0, 2, 3, 7], [1, 2, 5, 6]]])  # L=1, 2 KV heads, passage = slots 2..5
+    share, union = _passage_stats(sel, (2, 6))
+    assert share == 4 / 8  # head 0 keeps 2, 3; head 1 keeps 2, 5
+    assert union == 3 / 4  # 2, 3, 5 kept by some head, 4 by none
 
 
 def test_recompute_queries_of_a_tail_prefix_equal_the_full_tail(make_engine, one_thread):
