@@ -94,9 +94,12 @@ def main() -> None:
     ap.add_argument("--hf-num-prompts", type=int, default=32, help="HF runs this many prompts (a rate is measured)")
     ap.add_argument("--dtype", default="auto", help="auto = bf16 only where the CPU has fast bf16 (AMX)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     engine = Engine(model="smollm2", dtype=args.dtype, device="cpu", max_num_seqs=64, max_num_batched_tokens=2048,
                     max_model_len=2048)
@@ -127,7 +130,8 @@ def main() -> None:
               f"| {step64 * 1e3:.1f} ms | {floor64 * 1e3:.1f} ms | {step64 / floor64:.2f}x |"]
     body = "\n".join(table)
     body += (f"\n\nSmolLM2-135M-Instruct (Q4_1 GGUF dequantized to {engine.dtype}), {args.num_prompts} requests x "
-             f"{args.input_len}-token real-text prompts, {args.output_len} new tokens, greedy, ignore_eos.")
+             f"{args.input_len}-token real-text prompts, {args.output_len} new tokens, greedy, ignore_eos; "
+             f"{torch.get_num_threads()} CPU thread(s); HF runs {args.hf_num_prompts} of the prompts.")
     print(body)
     if not args.no_write:
         cmd = "python bench/offline_throughput.py " + " ".join(sys.argv[1:])
