@@ -139,6 +139,12 @@ class Engine:
             if num_kv_blocks < 1:
                 raise ValueError(f"kv_cache_memory={kv_cache_memory!r} is smaller than one KV block "
                                  f"({bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)} bytes)")
+        kv_tokens = num_kv_blocks * block_size
+        if kv_tokens < self.max_model_len:  # one request must always fit, or it would preempt itself forever
+            if max_model_len is not None:
+                raise ValueError(f"max_model_len ({max_model_len}) is larger than the KV cache ({kv_tokens} tokens); "
+                                 f"raise num_kv_blocks / kv_cache_memory or lower max_model_len")
+            self.max_model_len = kv_tokens
         self.kv_cache = KVCache(cfg.num_layers, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                 self.dtype, self.device)
         self.pool = BlockPool(num_kv_blocks)

@@ -61,7 +61,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use as 'model' (default: 'smollm2' or the model path's basename)")
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default=None, help="auto|bfloat16|float16|float32 (engine default: bfloat16)")
+    g.add_argument("--dtype", default=None, help="auto|bfloat16|float16|float32 (default auto: bf16 on CUDA and AMX/AVX512-BF16 CPUs, else fp32)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
     g.add_argument("--max-model-len", type=_positive_int, default=None)
     g.add_argument("--block-size", type=_positive_int, default=None, help="tokens per KV block")

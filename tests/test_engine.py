@@ -124,6 +124,9 @@ def test_bad_arguments_raise_value_error_naming_the_field(make_engine, tiny_llam
         make_engine(max_model_len=10_000)
     with pytest.raises(ValueError, match="dtype"):
         make_engine(dtype="int7")
+    with pytest.raises(ValueError, match="larger than the KV cache"):
+        make_engine(num_kv_blocks=4, max_model_len=64)
+    assert make_engine(num_kv_blocks=10).max_model_len == 40  # defaults to what one request can hold
     with pytest.raises(ValueError, match="sampling_params"):
         eng.generate(PROMPTS, [greedy(2)], use_tqdm=False)
     eng.check_invariants()
