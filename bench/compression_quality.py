@@ -82,7 +82,7 @@ class MethodResult:
 
     def _mean(self, spans: Sequence[Sequence[int]]) -> float:
         vals = [-lp[i] for lp, idx in zip(self.logprobs, spans) for i in idx]
-        return sum(vals) / len(vals)
+        return sum(vals) / len(vals) if vals else float("nan")
 
     @property
     def text_nll(self) -> float:
@@ -124,22 +124,40 @@ def passages(tokenizer, count: int, length: int) -> list[tuple[str, list[int]]]:
     raise ValueError(f"only {len(out)} standard-library docstrings have >= {length} tokens; use fewer trials")
 
 
-def make_trials(tokenizer, num_trials: int, *, filler_len: int = 2880, lead_len: int = 96, passage_len: int = 80,
-                context_len: int = 32) -> list[Trial]:
-    """Trials over license text at spread-out offsets; each plants a different passage."""
+def spread_leads(num_trials: int, region: int, passage_len: int) -> list[int]:
+    """Lead-in lengths that put trial k's passage at evenly spread offsets of the first window's compressible
+    region [0, region): the first trial at its start, the last ending at its end. Scores have a position bias
+    inside the window, so a passage at one fixed offset measures that bias as much as the scorer."""
+    last = region - passage_len
+    if last < 0:
+        raise ValueError(f"a {passage_len}-token passage does not fit a {region}-slot region")
+    if num_trials == 1:
+        return [last // 2]
+    return [round(k * last / (num_trials - 1)) for k in range(num_trials)]
+
+
+def make_trials(tokenizer, num_trials: int, *, filler_len: int = 2880, lead_len: int | Sequence[int] = 96,
+                passage_len: int = 80, context_len: int = 32) -> list[Trial]:
+    """Trials over license text at spread-out offsets; each plants a different passage. ``lead_len`` is one
+    lead-in length for every trial or one per trial; the filler shrinks by the extra lead so every continuation
+    has the same length (lockstep scoring needs that)."""
+    leads = [lead_len] * num_trials if isinstance(lead_len, int) else list(lead_len)
+    if len(leads) != num_trials:
+        raise ValueError(f"need {num_trials} lead-in lengths, got {len(leads)}")
+    body = max(leads) + filler_len  # lead + filler, the same in every trial
     text = tokenizer(real_text(), add_special_tokens=False).input_ids
-    span = context_len + lead_len + filler_len
+    span = context_len + body
     if span > len(text):
         raise ValueError(f"need {span} tokens of real text, have {len(text)}")
     step = (len(text) - span) // max(1, num_trials)
     trials = []
-    for k, (name, p) in enumerate(passages(tokenizer, num_trials, passage_len)):
+    for k, (lead, (name, p)) in enumerate(zip(leads, passages(tokenizer, num_trials, passage_len))):
         s = k * step
         ids = text[s:s + span]
-        ctx, lead, filler = ids[:context_len], ids[context_len:context_len + lead_len], ids[context_len + lead_len:]
-        cont = lead + p + filler + p
-        trials.append(Trial(ctx, cont, (lead_len, lead_len + passage_len), (len(cont) - passage_len, len(cont)),
-                            name=f"{name} @ license token {s}"))
+        ctx, rest = ids[:context_len], ids[context_len:]
+        cont = rest[:lead] + p + rest[lead:] + p
+        trials.append(Trial(ctx, cont, (lead, lead + passage_len), (len(cont) - passage_len, len(cont)),
+                            name=f"{name} @ license token {s}, passage at {lead}"))
     return trials
 
 
@@ -335,7 +353,7 @@ def diagnose(engine, trials: list[Trial], methods: Sequence[str], ratios: Sequen
     bands = [(0, 32), (32, 64), (64, 96), (96, 176), (176, 256), (256, 352), (352, n)]
     bands = [(a, min(b, n)) for a, b in bands if a < n]
     lines += ["", "Keep rate by region position (all layers, KV heads, trials; region slots 0.." + str(n - 1)
-              + f", passage at {trials[0].passage[0]}..{trials[0].passage[1] - 1}):", "",
+              + ", passages start at " + ", ".join(str(t.passage[0]) for t in trials) + "):", "",
               "| method | r | " + " | ".join(f"{a}-{b - 1}" for a, b in bands) + " |",
               "|---|---:|" + "---:|" * len(bands)]
     for (m, r), v in sels.items():
@@ -402,6 +420,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="cap the continuation length (shrinks the filler; default: 2880-token filler, 3136 total)")
     ap.add_argument("--passage-len", type=int, default=80)
+    ap.add_argument("--lead", default="spread",
+                    help="lead-in tokens before the passage: an int for every trial, or 'spread' (default): trial k's "
+                         "passage at evenly spread offsets of its window's compressible region")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a shared 2-core machine 2 OpenMP threads are far slower)")
     ap.add_argument("--diagnose", action="store_true",
@@ -413,21 +434,27 @@ def main() -> None:
     from engine import Engine
 
     t_start = time.perf_counter()
-    lead, ctx_len = 96, 32
-    filler = 2880
+    ctx_len, body = 32, 96 + 2880  # continuation = lead-in + filler (body tokens) + the passage twice
     if args.max_tokens is not None:
-        filler = args.max_tokens - lead - 2 * args.passage_len
-        if filler < 1:
-            raise SystemExit(f"--max-tokens must exceed {lead + 2 * args.passage_len}")
-    cont_len = lead + 2 * args.passage_len + filler
+        body = args.max_tokens - 2 * args.passage_len
+    region = DEFAULT_WINDOW["window"] - DEFAULT_WINDOW["buffer"]
+    leads = (spread_leads(args.trials, region, args.passage_len) if args.lead == "spread"
+             else [int(args.lead)] * args.trials)
+    filler = body - max(leads)
+    if filler < 1:
+        raise SystemExit(f"--max-tokens must exceed {max(leads) + 2 * args.passage_len}")
+    cont_len = body + 2 * args.passage_len
     seqs = args.trials * (1 + (len(METHODS) - 1) * len(args.ratio))
     blocks = seqs * math.ceil((ctx_len + cont_len + 16) / 16) + 16
     if args.diagnose:  # one sequence of context + first window at a time
         seqs, blocks = 1, math.ceil((ctx_len + DEFAULT_WINDOW["window"] + 16) / 16) + 16
     engine = Engine(model="smollm2", dtype="float32", device="cpu", max_model_len=8192, num_kv_blocks=blocks,
                     max_num_seqs=max(64, seqs), max_num_batched_tokens=max(2048, seqs * 16 + ctx_len * seqs))
-    trials = make_trials(engine.tokenizer, args.trials, filler_len=filler, lead_len=lead,
+    trials = make_trials(engine.tokenizer, args.trials, filler_len=filler, lead_len=leads,
                          passage_len=args.passage_len, context_len=ctx_len)
+    lead_text = (f"{leads[0]}-token lead-in" if len(set(leads)) == 1 else
+                 f"lead-in of {', '.join(map(str, leads))} tokens (the passage at evenly spread offsets of the "
+                 f"first window's {region}-slot compressible region)")
     t0 = time.perf_counter()
     if args.diagnose:
         body = diagnose(engine, trials, METHODS, args.ratio, DEFAULT_WINDOW)
@@ -449,8 +476,8 @@ def main() -> None:
     notes = [
         "",
         f"SmolLM2-135M-Instruct (GGUF dequantized, float32, CPU, {args.threads} thread). {args.trials} trials, each "
-        f"one sequence: {ctx_len}-token context (never compressed) + {cont_len}-token continuation = {lead}-token "
-        f"lead-in, {args.passage_len}-token passage (a stdlib module docstring), {filler} tokens of license text "
+        f"one sequence: {ctx_len}-token context (never compressed) + {cont_len}-token continuation = {lead_text}, "
+        f"{args.passage_len}-token passage (a stdlib module docstring), {body} - lead-in tokens of license text "
         f"(/usr/share/common-licenses, a different offset per trial), the passage again. Teacher-forced through the "
         f"engine's own paged cache, 16 tokens per step, compression by the periodic policy as while decoding: "
         f"|W|={w['window']}, |U|={w['buffer']}, γ={w['chunk_max']}, α={w['chunk_budget']}, compression_period="

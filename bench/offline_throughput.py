@@ -60,14 +60,18 @@ def hf_run(model, prompts, output_len: int, batch: int) -> float:
     return total / (time.perf_counter() - t0)
 
 
-def matmul_floor(engine: Engine, batch: int, repeats: int = 10) -> float:
-    """Seconds for the bare GEMMs (model dtype) of one decode step: x[batch, in] @ W.T for every linear + LM head."""
-    weights = [m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+def matmul_floor(engine: Engine, batch: int, repeats: int = 10, lm_head: bool = True) -> float:
+    """Seconds for the bare GEMMs (model dtype) of one decode step: x[batch, in] @ W.T for every linear + LM head
+    (without the LM head: the GEMMs of a prefill chunk of `batch` tokens, which needs logits only at its end)."""
+    vocab = engine.model_config.vocab_size
+    weights = [m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear)
+               and (lm_head or m.weight.shape[0] != vocab)]
     hidden = engine.model_config.hidden_size
     xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=engine.dtype) for w in weights}
     xh = torch.randn(batch, hidden, dtype=engine.dtype)
     has_lm_head = any(w.shape[0] == engine.model_config.vocab_size for w in weights)
-    lm_weight = None if has_lm_head else engine.model.embed_tokens.weight if hasattr(engine.model, "embed_tokens") else None
+    lm_weight = None if has_lm_head or not lm_head else (
+        engine.model.embed_tokens.weight if hasattr(engine.model, "embed_tokens") else None)
 
     def once():
         for w in weights:
@@ -111,6 +115,10 @@ def main() -> None:
     probe = min(64, len(prompts))
     step64 = decode_step_time(engine, prompts, probe)
     floor64 = matmul_floor(engine, probe)
+    # Prefill alone costs at least its GEMMs; with the decode free, kvllm could not beat HF by more than HF's time
+    # over that floor (the ceiling on the "kvllm / HF" ratio on this machine).
+    chunk = 2048
+    prefill_floor = matmul_floor(engine, chunk, repeats=3, lm_head=False) * args.input_len / chunk  # s per prompt
     hf_tps = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
@@ -128,6 +136,11 @@ def main() -> None:
     table = ["| system | output tok/s | vs HF |", "|---|---:|---:|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
     table += ["", f"| decode step at {probe} running (median) | bare GEMM floor of that step | ratio |", "|---:|---:|---:|",
               f"| {step64 * 1e3:.1f} ms | {floor64 * 1e3:.1f} ms | {step64 / floor64:.2f}x |"]
+    if hf_tps:
+        hf_time = args.hf_num_prompts * args.output_len / hf_tps
+        ceiling = hf_time / (prefill_floor * args.hf_num_prompts)
+        table += ["", "| HF time for its requests | bare GEMM floor of their prefill alone | ceiling on kvllm / HF |",
+                  "|---:|---:|---:|", f"| {hf_time:.1f} s | {prefill_floor * args.hf_num_prompts:.1f} s | {ceiling:.2f}x |"]
     body = "\n".join(table)
     body += (f"\n\nSmolLM2-135M-Instruct (Q4_1 GGUF dequantized to {engine.dtype}), {args.num_prompts} requests x "
              f"{args.input_len}-token real-text prompts, {args.output_len} new tokens, greedy, ignore_eos; "
