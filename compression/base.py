@@ -190,6 +190,10 @@ class Compressor(ABC):
     increasing along the last axis, with K = ``num_kept(num_region)`` for every layer and head.
     """
 
+    #: False for selectors that ignore the queries (random, recency): the policy then skips their recomputation
+    #: and passes a zero-stride placeholder of the right shape.
+    needs_queries: bool = True
+
     def __init__(self, config: KVCompressionConfig):
         self.config = config
 

@@ -145,6 +145,8 @@ class RandomCompressor(Compressor):
     """Keeps ⌈r·n⌉ + α uniformly random region positions per (layer, head). A CPU generator seeded with
     ``config.seed`` at construction: a run is reproducible, successive windows get different draws."""
 
+    needs_queries = False
+
     def __init__(self, config: KVCompressionConfig):
         super().__init__(config)
         self.generator = torch.Generator(device="cpu")
@@ -162,6 +164,8 @@ class RecentCompressor(Compressor):
     """StreamingLLM-style recency inside the window: keep the newest ⌈r·n⌉ + α region positions (those next to
     the buffer), the same for every layer and head. StreamingLLM's attention sinks are the sequence's first
     tokens, i.e. in the prompt, which is kept intact unless ``compress_prompt`` is set."""
+
+    needs_queries = False
 
     def select(self, queries: torch.Tensor, keys: torch.Tensor, num_region: int) -> torch.Tensor:
         self._check(queries, keys, num_region)

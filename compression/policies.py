@@ -133,13 +133,20 @@ class CompressionPolicy:
         # Only the tail's first (num_windows - 1) * n + |W| tokens are in a window: the rest (up to a period's
         # worth with compression_period = |W| - |U|) is neither scored nor needs its queries recomputed.
         spans = [(s, s.compressed_tokens, (k - 1) * c.region_len + c.window) for s, c, k in picked]
-        queries = engine.runner.recompute_queries(spans)
+        needs = [self._compressor(c).needs_queries for _, c, _ in picked]
+        need_spans = [sp for sp, nq in zip(spans, needs) if nq]
+        queries = engine.runner.recompute_queries(need_spans) if need_spans else None
+        mc = engine.model_config
+        L, hq, d = mc.num_layers, mc.num_q_heads, mc.head_dim
         jobs, offsets = [], 0
         by_cfg: dict[int, list] = {}
-        for (seq, cfg, num_windows), (_, _, tail) in zip(picked, spans):
+        for (seq, cfg, num_windows), (_, _, tail), nq in zip(picked, spans, needs):
             keys = gather_keys(kv, seq.block_table, seq.compressed_kv_len, tail)  # [L, Hkv, tail, D]
-            q = queries[:, offsets:offsets + tail].transpose(1, 2)  # [L, Hq, tail, D]
-            offsets += tail
+            if nq:
+                q = queries[:, offsets:offsets + tail].transpose(1, 2)  # [L, Hq, tail, D]
+                offsets += tail
+            else:  # the selector ignores queries: a zero-stride placeholder of the right shape
+                q = keys.new_zeros(()).expand(L, hq, tail, d)
             by_cfg.setdefault(id(cfg), []).append((seq, cfg, num_windows, q, keys))
         for group in by_cfg.values():
             cfg = group[0][1]
@@ -151,7 +158,6 @@ class CompressionPolicy:
                     qs.append(q[:, :, j * n:j * n + w])
                     ks.append(keys[:, :, j * n:j * n + w])
                 owners.append((seq, num_windows))
-            L = queries.shape[0]
             kept = self._compressor(cfg).select(torch.cat(qs, 0), torch.cat(ks, 0), n)  # [Nw*L, Hkv, K]
             K = kept.shape[-1]
             start = 0

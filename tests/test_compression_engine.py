@@ -171,3 +171,15 @@ def test_prompt_compression(make_engine):
     assert seq.compressed_tokens == 36 and seq.kv_len == 40 - 36 + 3 * 5
     while not req.done.is_set():
         eng.step()
+
+
+@pytest.mark.parametrize("method,recomputes", [("kara", True), ("streaming", False), ("random", False)])
+def test_query_recomputation_only_for_selectors_that_use_queries(make_engine, monkeypatch, method, recomputes):
+    eng = make_engine(kv_compression={"method": method, **SMALL}, num_kv_blocks=64)
+    calls = []
+    real = eng.runner.recompute_queries
+    monkeypatch.setattr(eng.runner, "recompute_queries", lambda spans: calls.append(len(spans)) or real(spans))
+    eng.generate([list(range(10, 30))], greedy(40), use_tqdm=False)
+    st = eng.stats()
+    assert st.compression_rounds >= 2 and st.compression_tokens_evicted == st.compression_tokens_seen // 12 * 7
+    assert bool(calls) == recomputes
