@@ -549,26 +549,17 @@ def build_app(engine: Any, served_model_name: Optional[Union[str, list[str]]] = 
             ids = state.encode(p)
             state.validate(ids, params)
             encoded.append((p, ids))
+        tok = engine.tokenizer
+        echoed = [(p if isinstance(p, str) else tok.decode(ids) if tok is not None else "") if body.echo else None
+                  for p, ids in encoded]
         admission = state.admit()
         rid = f"cmpl-{random_uuid()}"
-        gens = []
-        try:
-            for i, (p, ids) in enumerate(encoded):
-                text = None
-                if body.echo:
-                    tok = engine.tokenizer
-                    text = p if isinstance(p, str) else (tok.decode(ids) if tok is not None else "")
-                g = _Gen(state, i, ids, params, f"{rid}-{i}", admission, text)
-                gens.append(g)
-                await g.start()
-        except BaseException:
-            await _close_all(gens, admission)
-            raise
-        if body.stream:
-            return _SSEResponse(_completion_stream(state, body, model, rid, gens, admission),
-                                lambda: _close_all(gens, admission))
-        return await _until_disconnect(raw, _completion_full(state, body, model, rid, gens, admission),
-                                       lambda: _close_all(gens, admission))
+        gens = [_Gen(state, i, ids, params, f"{rid}-{i}", admission, text)
+                for i, ((_, ids), text) in enumerate(zip(encoded, echoed))]
+        return await _start_and_respond(
+            raw, gens, admission, body.stream,
+            lambda: _completion_stream(state, body, model, rid, gens, admission),
+            lambda: _completion_full(state, body, model, rid, gens, admission))
 
     # -- chat completions -----------------------------------------------------------------------------------
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
@@ -583,16 +574,10 @@ def build_app(engine: Any, served_model_name: Optional[Union[str, list[str]]] = 
         admission = state.admit()
         rid = f"chatcmpl-{random_uuid()}"
         gen = _Gen(state, 0, ids, params, rid, admission)
-        try:
-            await gen.start()
-        except BaseException:
-            await _close_all([gen], admission)
-            raise
-        if body.stream:
-            return _SSEResponse(_chat_stream(state, body, model, rid, gen, admission),
-                                lambda: _close_all([gen], admission))
-        return await _until_disconnect(raw, _chat_full(state, body, model, rid, gen, admission),
-                                       lambda: _close_all([gen], admission))
+        return await _start_and_respond(
+            raw, [gen], admission, body.stream,
+            lambda: _chat_stream(state, body, model, rid, gen, admission),
+            lambda: _chat_full(state, body, model, rid, gen, admission))
 
     return app
 
@@ -601,6 +586,25 @@ def _log_ignored(body: Any) -> None:
     ignored = body.ignored_fields()
     if ignored:
         logger.warning("The following fields were present in the request but ignored: %s", ignored)
+
+
+async def _start_and_respond(raw: Request, gens: list[_Gen], admission: _Admission, stream: bool,
+                             make_stream, make_full) -> Response:
+    """Submit every generator (on any failure: abort those started, release the admission, re-raise), then answer
+    as an SSE stream or as one JSON body; both paths abort the requests if the client goes away."""
+    try:
+        for g in gens:
+            await g.start()
+    except BaseException:
+        await _close_all(gens, admission)
+        raise
+
+    async def cleanup() -> None:
+        await _close_all(gens, admission)
+
+    if stream:
+        return _SSEResponse(make_stream(), cleanup)
+    return await _until_disconnect(raw, make_full(), cleanup)
 
 
 async def _close_all(gens: list[_Gen], admission: _Admission) -> None:
