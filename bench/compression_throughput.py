@@ -43,7 +43,16 @@ def run_load(engine: Engine, prompts, output_len: int, concurrency: int) -> dict
         "peak_blocks": peak_blocks, "preemptions": st.num_preemptions, "rounds": st.compression_rounds,
         "compress_share": st.compression_seconds / max(st.engine_seconds, 1e-9),
         "retention": st.compression_retention,
+        # cost of compressing one region token vs engine time per output token without compression: their ratio
+        # is the compression time share once every output token gets compressed once (long outputs)
+        "compress_ms_per_token": 1e3 * st.compression_seconds / st.compression_tokens_seen
+        if st.compression_tokens_seen else None,
+        "step_ms_per_token": 1e3 * (st.engine_seconds - st.compression_seconds) / tokens,
     }
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
 
 
 def main() -> None:
@@ -99,19 +108,24 @@ def main() -> None:
 
     conc = [int(x) for x in args.concurrency.split(",")]
     lines = ["| policy | max concurrency | output tok/s | vs none | mean running batch | peak blocks | preemptions "
-             "| compression rounds | compression time share | retention |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| compression rounds | compression time share | retention | compression ms per region token "
+             "| other engine ms per output token |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for (policy, c), r in results.items():
         base = results.get(("none", c))
         ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "-"
         ret = f"{r['retention']:.2f}" if r["retention"] is not None else "-"
         lines.append(f"| {policy} | {c} | {r['tok_s']:.1f} | {ratio} | {r['mean_batch']:.1f} | {r['peak_blocks']}/{num_blocks} "
-                     f"| {r['preemptions']} | {r['rounds']} | {100 * r['compress_share']:.1f}% | {ret} |")
+                     f"| {r['preemptions']} | {r['rounds']} | {100 * r['compress_share']:.1f}% | {ret} "
+                     f"| {_ms(r['compress_ms_per_token'])} | {_ms(r['step_ms_per_token'])} |")
     body = "\n".join(lines)
     body += (f"\n\n{args.model} ({engine.dtype}, {torch.get_num_threads()} CPU thread(s)), {args.num_requests} requests x {args.input_len}-token real-text prompts, "
              f"{args.output_len} new tokens (ignore_eos, greedy); KV pool {num_blocks} blocks x {args.block_size} = room for "
              f"{args.pool_seqs} uncompressed sequences. kara: periodic, |W|={args.window}, |U|={args.buffer}, r={args.ratio}, "
              f"γ={args.chunk_max}, α={args.chunk_budget}, period {args.window - args.buffer}; threshold: SnapKV, C_max={args.threshold_max} -> "
-             f"N={args.threshold_target}. Retention = kept / scored tokens of the compressed regions.")
+             f"N={args.threshold_target}. Retention = kept / scored tokens of the compressed regions. The last two "
+             f"columns predict the compression time share once outputs are long enough that every output token is "
+             f"compressed once: share ≈ a / (a + b) for compression cost a per region token and other engine time b "
+             f"per output token (≤ 5% needs a ≤ b / 19).")
     kara = [results[("kara", c)]["tok_s"] for c in conc if ("kara", c) in results]
     if kara:
         body += f"\n\nperiodic Kara throughput across concurrency {conc}: " + ", ".join(f"{x:.1f}" for x in kara)
