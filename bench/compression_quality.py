@@ -434,16 +434,16 @@ def main() -> None:
     from engine import Engine
 
     t_start = time.perf_counter()
-    ctx_len, body = 32, 96 + 2880  # continuation = lead-in + filler (body tokens) + the passage twice
+    ctx_len, body_len = 32, 96 + 2880  # continuation = lead-in + filler (body_len tokens) + the passage twice
     if args.max_tokens is not None:
-        body = args.max_tokens - 2 * args.passage_len
+        body_len = args.max_tokens - 2 * args.passage_len
     region = DEFAULT_WINDOW["window"] - DEFAULT_WINDOW["buffer"]
     leads = (spread_leads(args.trials, region, args.passage_len) if args.lead == "spread"
              else [int(args.lead)] * args.trials)
-    filler = body - max(leads)
+    filler = body_len - max(leads)
     if filler < 1:
         raise SystemExit(f"--max-tokens must exceed {max(leads) + 2 * args.passage_len}")
-    cont_len = body + 2 * args.passage_len
+    cont_len = body_len + 2 * args.passage_len
     seqs = args.trials * (1 + (len(METHODS) - 1) * len(args.ratio))
     blocks = seqs * math.ceil((ctx_len + cont_len + 16) / 16) + 16
     if args.diagnose:  # one sequence of context + first window at a time
@@ -477,8 +477,8 @@ def main() -> None:
         "",
         f"SmolLM2-135M-Instruct (GGUF dequantized, float32, CPU, {args.threads} thread). {args.trials} trials, each "
         f"one sequence: {ctx_len}-token context (never compressed) + {cont_len}-token continuation = {lead_text}, "
-        f"{args.passage_len}-token passage (a stdlib module docstring), {body} - lead-in tokens of license text "
-        f"(/usr/share/common-licenses, a different offset per trial), the passage again. Teacher-forced through the "
+        f"{args.passage_len}-token passage (a stdlib module docstring), license text (lead-in + filler = {body_len} "
+        f"tokens from /usr/share/common-licenses, a different offset per trial), the passage again. Teacher-forced through the "
         f"engine's own paged cache, 16 tokens per step, compression by the periodic policy as while decoding: "
         f"|W|={w['window']}, |U|={w['buffer']}, γ={w['chunk_max']}, α={w['chunk_budget']}, compression_period="
         f"{w['compression_period']} decode steps; every window method keeps ⌈r·448⌉+16 slots of each compressed "
