@@ -104,10 +104,14 @@ class Sequence:
         return self.num_computed_tokens - self.compressed_tokens
 
     def reset_for_recompute(self) -> None:
-        """Preemption by recompute: forget the KV cache; the prompt and outputs stay."""
+        """Preemption by recompute: forget the KV cache; the prompt and outputs stay. A sequence that had been
+        compressed is compressed again right after its re-prefill (the prompt-compression path) rather than
+        holding its whole uncompressed tail until the next periodic round."""
+        was_compressed = self.compressed_tokens > self.compress_start
         self.block_table = []
         self.num_computed_tokens = 0
         self.kv_len = 0
         self.reset_compression_frontier()
+        self.compress_prompt_pending = self.compress_prompt or was_compressed
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1

@@ -183,3 +183,28 @@ def test_query_recomputation_only_for_selectors_that_use_queries(make_engine, mo
     st = eng.stats()
     assert st.compression_rounds >= 2 and st.compression_tokens_evicted == st.compression_tokens_seen // 12 * 7
     assert bool(calls) == recomputes
+
+
+def test_preempted_compressed_sequence_is_compressed_again_right_after_its_reprefill(make_engine):
+    eng = make_engine(kv_compression={"method": "kara", **SMALL}, num_kv_blocks=64)
+    req = eng._make_request(list(range(10, 30)), greedy(60), "a")
+    eng._submit(req)
+    seq = req.seqs[0]
+    while seq.compressed_tokens == seq.compress_start:
+        eng.step()
+    outputs_before = seq.num_outputs
+    eng.scheduler._preempt(seq)
+    assert seq.compress_prompt_pending and seq.kv_len == 0
+    rounds = eng.stats().compression_rounds
+    while seq.num_pending_tokens > 1:  # the re-prefill of prompt + outputs
+        eng.step()
+        eng.check_invariants()
+    # the step that completed the re-prefill ran a round for it: every full window of the recomputed outputs
+    assert eng.stats().compression_rounds == rounds + 1 and not seq.compress_prompt_pending
+    tail = seq.num_computed_tokens - 20
+    assert seq.compressed_tokens - 20 == (tail - 4) // 12 * 12 > 0
+    assert seq.kv_len == 20 + (seq.compressed_tokens - 20) // 12 * 5 + seq.uncompressed_tail
+    assert seq.num_outputs >= outputs_before
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(req.final.outputs[0].token_ids) == 60 and eng.pool.num_free == eng.pool.num_blocks
