@@ -36,7 +36,9 @@ def kvllm_run(engine: Engine, prompts, output_len: int, batch: int) -> tuple[flo
 def decode_step_time(engine: Engine, prompts, batch: int, steps: int = 8) -> float:
     """Median time of a pure decode step with `batch` running sequences."""
     engine.scheduler.config.max_num_seqs = batch
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    # long enough that the first sequences are still decoding when the last prompt's chunked prefill ends
+    prefill_steps = sum(len(p) for p in prompts[:batch]) // engine.scheduler.config.max_num_batched_tokens + 2
+    params = SamplingParams(temperature=0, max_tokens=prefill_steps + steps + 4, ignore_eos=True)
     for i, p in enumerate(prompts[:batch]):
         engine._submit(engine._make_request(p, params, f"probe-{i}"))
     times = []
@@ -46,6 +48,8 @@ def decode_step_time(engine: Engine, prompts, batch: int, steps: int = 8) -> flo
         dt = time.perf_counter() - t0
         if len(engine.scheduler.running) == batch and all(s.num_pending_tokens == 1 for s in engine.scheduler.running):
             times.append(dt)
+    if not times:
+        raise RuntimeError(f"never had {batch} sequences decoding together (KV pool too small?)")
     return median(times[1:] or times)
 
 
