@@ -217,6 +217,10 @@ class Engine:
             raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                              f"prompt has {n} tokens, which leaves no room for completion tokens. Please reduce the "
                              f"length of the prompt.")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:  # apply_min_tokens indexes the logits with these on the engine thread
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[:4]}")
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                              f"requested {n + params.max_tokens} tokens ({n} in the messages, {params.max_tokens} "

@@ -127,7 +127,10 @@ class Scheduler:
                 seq = self.waiting[0]
                 n = self._chunk(seq, budget)
                 need = self.blocks_needed(seq, n)
-                if need + self.config.watermark_blocks > self.pool.num_free:
+                # The watermark keeps headroom for running sequences to grow; with none running it would only
+                # stop a request that needs (nearly) the whole pool from ever starting.
+                watermark = self.config.watermark_blocks if self.running else 0
+                if need + watermark > self.pool.num_free:
                     break
                 self.waiting.popleft()
                 seq.block_table.extend(self.pool.allocate(need))

@@ -364,7 +364,8 @@ class ServerState:
             self.engine.validate_request(ids, params)
         except ValueError as err:
             msg = str(err)
-            param = None if "context length" in msg else ("prompt" if msg.startswith("prompt") else None)
+            head = msg.split(" ", 1)[0].rstrip(":,")
+            param = head if head in ("prompt", "stop_token_ids") else None
             raise RequestError(msg, param) from None
 
     def token_str(self, token_id: int) -> str:

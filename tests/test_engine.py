@@ -191,3 +191,22 @@ def test_chat_uses_template(make_engine):
     eng.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w9"
     out = eng.chat([{"role": "user", "content": "w5 w6"}], greedy(3), use_tqdm=False)[0]
     assert out.prompt_token_ids == [5, 6, 9]
+
+
+def test_stop_token_id_outside_vocab_is_rejected_and_engine_keeps_serving(make_engine):
+    eng = make_engine()
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        eng.generate([PROMPTS[0]], SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[999_999]),
+                     use_tqdm=False)
+    assert eng.is_healthy()
+    out = eng.generate([PROMPTS[0]], greedy(4), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_prompt_filling_the_pool_runs_and_does_not_block_a_small_request(make_engine):
+    # 10 blocks x 4 slots = 40 tokens = max_model_len; watermark 10% = 1 block. A 38-token prompt + 2 new
+    # tokens needs every block: it must run (nothing else runs), then the small request behind it.
+    eng = make_engine(num_kv_blocks=10, watermark=0.1)
+    assert eng.max_model_len == 40
+    outs = eng.generate([list(range(4, 42)), PROMPTS[1]], [greedy(2), greedy(3)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 3]

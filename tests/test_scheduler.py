@@ -134,3 +134,21 @@ def test_finish_waiting_and_running_returns_every_block():
     sched.finish(b)
     assert pool.num_free == 6 and not sched.has_work()
     pool.check_invariants()
+
+
+def test_request_needing_the_whole_pool_is_admitted_when_nothing_runs():
+    # 4 blocks, watermark 1: a 16-token prompt needs all 4 blocks. With nothing running the watermark must not
+    # apply, or the request (and everything queued behind it) would wait forever.
+    sched, pool = make(num_blocks=4, budget=64, watermark=1)
+    a, b = seq(16, "a"), seq(2, "b")
+    sched.add(a)
+    sched.add(b)
+    out = run_step(sched)
+    assert [(s.seq.request_id, s.num_tokens) for s in out.scheduled] == [("a", 16)]
+    assert a.block_table == [0, 1, 2, 3] and list(sched.waiting) == [b]
+    sched.finish(a)
+    out = run_step(sched)
+    assert [(s.seq.request_id, s.num_tokens) for s in out.scheduled] == [("b", 2)] and b.block_table == [0]
+    sched.finish(b)
+    pool.check_invariants()
+    assert pool.num_free == 4

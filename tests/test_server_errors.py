@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from server_fixtures import *  # noqa: F401,F403
-from server_fixtures import TINY_MAX_MODEL_LEN, build_engine, serve
+from server_fixtures import TINY_MAX_MODEL_LEN, build_engine, serve, wait_drained
 
 LONG_PROMPT = " ".join(["word"] * (TINY_MAX_MODEL_LEN + 40))
 
@@ -235,5 +235,42 @@ def test_engine_death_gives_error_event_then_503(tiny_server_model_dir):
             _assert_error(h, 503)
             _assert_error(_post(srv, "/v1/completions", _cmpl(engine.model_name)), 503)
             assert 'kvllm:engine_healthy{model_name="' in httpx.get(srv.base_url + "/metrics").text
+    finally:
+        engine.shutdown()
+
+
+def test_stop_token_id_outside_vocab_is_400_and_server_stays_healthy(tiny_server, tiny_engine, drained):
+    """Reliability repro 1: min_tokens masks the stop ids on the engine thread; an id past the vocabulary used to
+    kill the engine loop (every later request 503)."""
+    body = _cmpl(tiny_engine.model_name, max_tokens=8, min_tokens=2, stop_token_ids=[999_999])
+    _assert_error(_post(tiny_server, "/v1/completions", body), 400, "stop_token_ids")
+    chat = {"model": tiny_engine.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "min_tokens": 1, "stop_token_ids": [10 ** 7]}
+    _assert_error(_post(tiny_server, "/v1/chat/completions", chat), 400, "stop_token_ids")
+    assert httpx.get(tiny_server.base_url + "/health").status_code == 200
+    _still_serving(tiny_server, tiny_engine.model_name)
+
+
+def test_prompt_filling_the_pool_completes_and_a_small_request_behind_it_too(tiny_server_model_dir):
+    """Reliability repro 2: a prompt that needs every KV block was never admitted (the admission watermark), and
+    the FCFS queue made every later request wait behind it."""
+    import concurrent.futures
+
+    engine = build_engine(tiny_server_model_dir, num_kv_blocks=16, watermark=0.1)  # 16 x 16 = 256 slots
+    assert engine.max_model_len == TINY_MAX_MODEL_LEN == 256
+    engine.start()
+    try:
+        with serve(engine) as srv:
+            big = _cmpl(engine.model_name, prompt=list(range(1000, 1250)), max_tokens=4, ignore_eos=True)
+            small = _cmpl(engine.model_name, max_tokens=2, ignore_eos=True)
+            with concurrent.futures.ThreadPoolExecutor(2) as ex:
+                fb = ex.submit(_post, srv, "/v1/completions", big)
+                time.sleep(0.2)
+                fs = ex.submit(_post, srv, "/v1/completions", small)
+                rb, rs = fb.result(timeout=60), fs.result(timeout=60)
+            assert rb.status_code == 200 and rb.json()["usage"]["completion_tokens"] == 4, rb.text
+            assert rs.status_code == 200 and rs.json()["usage"]["completion_tokens"] == 2, rs.text
+            assert httpx.get(srv.base_url + "/health").status_code == 200
+        wait_drained(engine)
     finally:
         engine.shutdown()
