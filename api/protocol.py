@@ -1,18 +1,20 @@
 """Pydantic v2 models of the OpenAI HTTP protocol as kvllm serves it, plus kvllm's extensions.
 
-Follows vLLM's OpenAI-compatible server (see docs in ``../shared/research/conventions.md`` §1):
+Follows vLLM's OpenAI-compatible server:
 
 * ``/v1/completions`` and ``/v1/chat/completions`` request bodies with the OpenAI fields and vLLM's sampling
   extras (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
   ``skip_special_tokens``), sent as top-level keys (the openai SDK's ``extra_body``).
-* kvllm's per-request ``kv_compression``: the string ``"none"`` (or a method name), or an object with the
-  fields of ``compression.KVCompressionConfig`` (``method``, ``ratio``, ``window``, ``buffer``, ``chunk_max``,
-  ``chunk_budget``, ...). Unknown keys inside it are rejected (a typo must not silently change nothing).
+* kvllm's per-request ``kv_compression``: ``"none"``, a method name, or an object with the common fields of
+  ``compression.KVCompressionConfig`` and the method's own parameters (``{"method": "kara", "ratio": 0.3,
+  "chunk_max": 8}``). The engine validates it against the method registry (compression/registry.py), so a new
+  method needs no change here; unknown keys are rejected (a typo must not silently change nothing).
 * Unknown top-level fields are accepted and ignored, as in vLLM (``extra="allow"``); the server logs them.
 * Response, streaming-chunk, usage, model-list and error shapes (``{"error": {message, type, param, code}}``).
 
 `to_sampling_params` maps a validated request to the engine's `SamplingParams`; every problem it finds is
-raised as `RequestError` (HTTP 400 in the OpenAI error shape) naming the offending parameter.
+raised as `RequestError` (HTTP 400 in the OpenAI error shape) naming the offending parameter (the engine's
+`InvalidRequestError` carries it).
 """
 from __future__ import annotations
 
@@ -21,9 +23,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from compression.base import METHODS
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 # int64 range, like vLLM's seed bounds (torch generators take 64-bit seeds).
 _INT64_MIN = -(2**63)
@@ -35,7 +35,6 @@ MAX_LOGPROBS = 20
 #: Temperatures in (0, MIN_TEMPERATURE) are raised to it (vLLM does the same: tiny temperatures overflow).
 MIN_TEMPERATURE = 1e-2
 
-KVMethod = Literal[METHODS]  # type: ignore[valid-type]
 TokenId = Annotated[int, Field(ge=0)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
@@ -72,35 +71,8 @@ class _Strict(BaseModel):
 
 
 # ------------------------------------------------------------------------------------------- kv compression
-class KVCompressionParams(_Strict):
-    """Per-request KV-cache compression settings (fields of ``compression.KVCompressionConfig``).
-
-    Omitted fields take the server's configured value (or the config defaults). Cross-field rules
-    (``buffer < window``, ``compression_period >= window - buffer``, ...) are checked by the engine and
-    reported as 400 errors naming the field.
-    """
-
-    method: Optional[KVMethod] = Field(None, description="Compression method; 'none' disables compression.")
-    ratio: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False,
-                                   description="Fraction r of each window's compressible region kept (TopK).")
-    window: Optional[int] = Field(None, ge=2, description="Sliding window |W| in tokens.")
-    buffer: Optional[int] = Field(None, ge=1, description="Newest |U| tokens of the window kept uncompressed.")
-    chunk_max: Optional[int] = Field(None, ge=1, description="Token2Chunk: largest gap γ filled.")
-    chunk_budget: Optional[int] = Field(None, ge=0, description="Token2Chunk: tokens α added per window.")
-    compression_period: Optional[int] = Field(None, ge=1, description="Decode steps between compression rounds.")
-    max_seqs_per_round: Optional[int] = Field(None, ge=1)
-    compress_prompt: Optional[bool] = None
-    threshold_max: Optional[int] = Field(None, ge=1, description="threshold method: KV length that triggers.")
-    threshold_target: Optional[int] = Field(None, ge=1, description="threshold method: KV length kept.")
-    observation_window: Optional[int] = Field(None, ge=1)
-    snapkv_kernel: Optional[int] = Field(None, ge=1)
-    seed: Optional[int] = Field(None, ge=0, le=_INT64_MAX)
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
-
-
-KVCompressionField = Optional[Union[KVMethod, KVCompressionParams]]
+#: "none", a method name, or an object of settings; validated by the engine (compression.config.coerce).
+KVCompressionField = Optional[Union[str, dict[str, Any]]]
 
 
 # ------------------------------------------------------------------------------------------- request parts
@@ -138,7 +110,8 @@ class _SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     # kvllm extension
     kv_compression: KVCompressionField = Field(
-        None, description="Per-request KV compression: 'none', a method name, or an object of settings.")
+        None, description="Per-request KV compression: 'none', a method name, or an object of settings "
+                          "({'method': 'kara', 'ratio': 0.3, ...}); omitted fields keep the server's values.")
 
     @model_validator(mode="after")
     def _check_stream_options(self):
@@ -208,6 +181,21 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # --------------------------------------------------------------------------------------------- responses
+class _OmitNone(BaseModel):
+    """Fields listed in ``_omit_none`` are left out of the JSON while None (OpenAI sends no ``usage`` key in
+    ordinary stream chunks and the ``role`` only in a choice's first delta)."""
+
+    _omit_none: tuple[str, ...] = ()
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler):
+        data = handler(self)
+        for name in self._omit_none:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -246,7 +234,8 @@ class CompletionResponseStreamChoice(BaseModel):
     stop_reason: Optional[Union[int, str]] = None
 
 
-class CompletionStreamResponse(BaseModel):
+class CompletionStreamResponse(_OmitNone):
+    _omit_none = ("usage",)
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -291,7 +280,8 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_OmitNone):
+    _omit_none = ("role",)
     role: Optional[str] = None
     content: Optional[str] = None
 
@@ -304,7 +294,8 @@ class ChatCompletionResponseStreamChoice(BaseModel):
     stop_reason: Optional[Union[int, str]] = None
 
 
-class ChatCompletionStreamResponse(BaseModel):
+class ChatCompletionStreamResponse(_OmitNone):
+    _omit_none = ("usage",)
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -356,20 +347,6 @@ def error_body(status_code: int, message: str, param: str | None = None, err_typ
 
 
 # ------------------------------------------------------------------------------------ → SamplingParams
-_SAMPLING_PARAM_NAMES = ("n", "temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens", "stop",
-                         "stop_token_ids", "logprobs", "kv_compression")
-
-
-def _param_from_message(message: str, default: str | None = None) -> str | None:
-    """The parameter an engine ValueError names (its messages start with the field name)."""
-    head = message.split(" ", 1)[0].rstrip(":,")
-    if head.startswith("kv_compression"):
-        return head if head != "kv_compression" else "kv_compression"
-    if head in _SAMPLING_PARAM_NAMES:
-        return head
-    return default
-
-
 def _check_unsupported(req: _SamplingFields) -> None:
     if req.presence_penalty:
         raise RequestError("presence_penalty is not supported by kvllm (only 0)", "presence_penalty")
@@ -402,30 +379,7 @@ def _check_unsupported(req: _SamplingFields) -> None:
                                "continue_final_message")
 
 
-def kv_compression_value(value: KVCompressionField, base: Any = None) -> Any:
-    """The request's kv_compression as SamplingParams takes it: None, "none", a method name, a dict or a config.
-
-    With ``base`` (the server's active ``KVCompressionConfig``), a method name or an object's omitted fields
-    take the server's values (so ``{"ratio": 0.2}`` changes only the ratio of the server's setting).
-    """
-    if value is None:
-        return None
-    if value == "none":
-        return "none"
-    d = {"method": value} if isinstance(value, str) else value.to_dict()
-    if base is not None:
-        from compression.base import KVCompressionConfig
-
-        if isinstance(base, KVCompressionConfig):
-            try:
-                return KVCompressionConfig.from_dict(d, base=base)
-            except ValueError as err:
-                raise RequestError(str(err), _param_from_message(str(err), "kv_compression")) from None
-    return value if isinstance(value, str) else d
-
-
-def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], *, vocab_size: int | None = None,
-                       kv_compression_base: Any = None):
+def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], *, vocab_size: int | None = None):
     """Map a validated request to the engine's SamplingParams; raises RequestError (400) naming the field."""
     from engine.sampling_params import SamplingParams
 
@@ -447,7 +401,6 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], *, 
         stop = None
     if max_tokens is not None and req.min_tokens > max_tokens:
         raise RequestError(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
-    kv = kv_compression_value(req.kv_compression, kv_compression_base)
     try:
         return SamplingParams(
             n=req.n,
@@ -463,10 +416,10 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], *, 
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
-            kv_compression=kv,
+            kv_compression=req.kv_compression,
         )
-    except ValueError as err:
-        raise RequestError(str(err), _param_from_message(str(err))) from None
+    except ValueError as err:  # engine.errors.InvalidRequestError names the parameter
+        raise RequestError(str(err), getattr(err, "param", None)) from None
 
 
 def clamp_logprob(value: float) -> float:

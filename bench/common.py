@@ -36,6 +36,27 @@ def text_prompts(tokenizer, num: int, length: int, seed: int = 0) -> list[list[i
     return [ids[s:s + length] for s in starts]
 
 
+def run_requests(engine, prompts, params, concurrency: int, prefix: str = "r", on_step=None):
+    """Run `prompts` keeping at most `concurrency` requests in the engine (a client-side limit, like
+    `vllm bench serve --max-concurrency`), through the public add_request / step API. `on_step(stats)` is called
+    after every step. Returns the outputs in prompt order and the wall time."""
+    import time
+
+    todo = list(enumerate(prompts))[::-1]
+    inflight: dict[str, int] = {}
+    outs = [None] * len(prompts)
+    t0 = time.perf_counter()
+    while todo or inflight:
+        while todo and len(inflight) < concurrency:
+            i, p = todo.pop()
+            inflight[engine.add_request(p, params, f"{prefix}-{i}")] = i
+        for out in engine.step():
+            outs[inflight.pop(out.request_id)] = out
+        if on_step is not None:
+            on_step(engine.stats())
+    return outs, time.perf_counter() - t0
+
+
 def median(xs):
     return statistics.median(xs)
 

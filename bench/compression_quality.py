@@ -20,8 +20,8 @@ lockstep, so every method sees the same compression rounds.
 `--diagnose` runs only a cheap selection diagnostic (each trial's first window; which share of the passage's slots
 every method keeps, and Kara's keep rate by position in the window) and writes it to its own section.
 
-    .venv/bin/python bench/compression_quality.py [--ratio 0.3 ...] [--trials 3] [--max-tokens N] [--no-write]
-    .venv/bin/python bench/compression_quality.py --diagnose --trials 10 --ratio 0.2 0.3 0.5
+    .venv/bin/python -m bench.compression_quality [--ratio 0.3 ...] [--trials 3] [--max-tokens N] [--no-write]
+    .venv/bin/python -m bench.compression_quality --diagnose --trials 10 --ratio 0.2 0.3 0.5
 
 The defaults take ~14 min on a busy 2-core AVX2 CPU (1 thread); `--trials 1 --max-tokens 1200` takes ~2 min.
 """
@@ -34,14 +34,12 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import real_text, write_section  # noqa: E402
-from compression.base import KVCompressionConfig  # noqa: E402
+from compression import KVCompressionConfig  # noqa: E402
 
 METHODS = ("none", "kara", "kara_no_chunk", "kara_buffer_queries", "random", "streaming")
 LABELS = {
@@ -180,28 +178,44 @@ def synthetic_trials(num_trials: int, *, vocab: int, filler_len: int, lead_len: 
 def score_many(engine, items: list[tuple[list[int], list[int], Any]], chunk_size: int = 16) -> list[list[float]]:
     """`Engine.score` for several (context, continuation, kv_compression) at once: every request is submitted
     before the first step, so all are scored in the same batches, in lockstep (same compression rounds)."""
-    from engine.sampling_params import SamplingParams
-
+    by_cfg: dict[Any, list[int]] = {}
+    for k, (_, _, kvc) in enumerate(items):
+        by_cfg.setdefault(kvc, []).append(k)
     reqs = []
-    for ctx, cont, kvc in items:
-        if not ctx or not cont:
-            raise ValueError("score: context and continuation must be non-empty")
+    for kvc, idx in by_cfg.items():  # Engine.score takes one kv_compression per call: submit without waiting
+        from engine.sampling_params import SamplingParams
+
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, kv_compression=kvc)
-        reqs.append(engine._make_request(list(ctx) + list(cont), params, None, score_from=len(ctx),
-                                         max_chunk=chunk_size))
-    outs = engine._run(reqs, use_tqdm=False)
-    return [list(o.prompt_logprobs) for o in outs]
+        for k in idx:
+            ctx, cont, _ = items[k]
+            if not ctx or not cont:
+                raise ValueError("score: context and continuation must be non-empty")
+            req = engine.core.make_request(list(ctx) + list(cont), params, f"q{k}", score=(len(ctx), chunk_size))
+            engine.add_request(req)
+            reqs.append((k, req))
+    while engine.has_unfinished_requests():
+        engine.step()
+    out: list[list[float]] = [[] for _ in items]
+    for k, req in reqs:
+        if req.error is not None:
+            raise req.error
+        out[k] = list(req.final.prompt_logprobs)
+    return out
 
 
 def method_config(method: str, ratio: float, window: dict) -> KVCompressionConfig:
-    return KVCompressionConfig(method=method, ratio=ratio, **window) if method != "none" else KVCompressionConfig(
-        method="none")
+    """The method at this ratio with the window settings it takes (Kara's γ/α only where the method has them)."""
+    if method == "none":
+        return KVCompressionConfig("none")
+    from compression import COMMON_FIELDS, registry
+
+    allowed = set(COMMON_FIELDS) | set(registry.get(method).param_names())
+    return KVCompressionConfig(method, ratio=ratio, **{k: v for k, v in window.items() if k in allowed})
 
 
 def evaluate(engine, trials: list[Trial], methods: Sequence[str] = METHODS, ratios: Sequence[float] = (0.3,),
              window: dict | None = None, chunk_size: int = 16) -> list[MethodResult]:
-    """Score every trial under every (method, ratio) in one batch; "none" is run once. The compression policy
-    is reset first, so its global decode-step counter starts at 0. Returns one MethodResult per
+    """Score every trial under every (method, ratio) in one batch; "none" is run once. Returns one MethodResult per
     (method, ratio) with per-sequence KV accounting derived from the engine's compression stats."""
     window = dict(DEFAULT_WINDOW if window is None else window)
     lengths = {len(t.context) + len(t.continuation) for t in trials}
@@ -214,7 +228,6 @@ def evaluate(engine, trials: list[Trial], methods: Sequence[str] = METHODS, rati
             runs.append((m, None, method_config(m, 1.0, window)))
         else:
             runs.extend((m, r, method_config(m, r, window)) for r in ratios)
-    engine.set_kv_compression(None)  # fresh policy: decode-step counter at 0, fresh compressors (random seed)
     before = engine.stats()
     items = [(t.context, t.continuation, cfg) for _, _, cfg in runs for t in trials]
     logprobs = score_many(engine, items, chunk_size)
@@ -259,19 +272,16 @@ def evaluate(engine, trials: list[Trial], methods: Sequence[str] = METHODS, rati
 
 
 def _first_compressed_step(cont_len: int, window: dict, chunk_size: int) -> int:
-    """Continuation index of the first token scored with a compressed cache. Mirrors the periodic policy with a
-    fresh counter and compression off engine-wide: a round right after the context's prefill step (decode
-    counter 0), then one whenever the counter (continuation tokens fed) reaches the previous round's count +
-    `compression_period`; a round compresses only once the uncompressed tail holds >= |W| tokens. The step after
-    the round that fed tokens [s, s + chunk) scores continuation tokens s + 1 ... s + chunk."""
+    """Continuation index of the first token scored with a compressed cache. Mirrors the periodic policy's
+    per-sequence trigger: after a step that fed the continuation up to `fed` tokens, a round runs once `fed` is
+    at least `compression_period` past the last round (0) and the uncompressed tail holds >= |W| tokens. The step
+    after the round that fed tokens [s, s + chunk) scores continuation tokens s + 1 ... s + chunk."""
     period, w = window["compression_period"], window["window"]
-    fed, next_round = 0, period
+    fed = 0
     while fed < cont_len:
         fed = min(fed + chunk_size, cont_len)
-        if fed >= next_round and fed < cont_len:
-            next_round = fed + period
-            if fed >= w:
-                return fed + 1
+        if fed >= period and fed >= w and fed < cont_len:
+            return fed + 1
     return cont_len
 
 
@@ -281,8 +291,6 @@ def first_window_selections(engine, trials: list[Trial], methods: Sequence[str],
     lies in the continuation's first window [0, |W|); the window's queries and keys do not depend on anything after
     it, so running each trial's context + first window and selecting on it reproduces the selection the periodic
     policy makes in its first effective round (for "random": one draw of the same law)."""
-    from compression.base import make_compressor
-    from compression.policies import gather_keys
     from engine.sampling_params import SamplingParams
 
     window = dict(DEFAULT_WINDOW if window is None else window)
@@ -293,21 +301,21 @@ def first_window_selections(engine, trials: list[Trial], methods: Sequence[str],
             raise ValueError("the passage must lie in the first window's compressible region")
         ids = t.context + t.continuation[:w]
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        req = engine._make_request(ids, params, None, score_from=len(t.context), max_chunk=w)
-        engine._submit(req)
+        req = engine.core.make_request(ids, params, f"diag-{id(t)}", score=(len(t.context), w))
+        engine.add_request(req)
         seq = req.seqs[0]
         while seq.num_computed_tokens < len(ids) and not seq.is_finished:
             engine.step()
         assert seq.num_computed_tokens == seq.kv_len == len(ids), "diagnostic sequence was compressed or preempted"
-        q = engine.runner.recompute_queries([(seq, len(t.context), w)]).transpose(1, 2)  # [L, Hq, W, D]
-        k = gather_keys(engine.kv_cache, seq.block_table, len(t.context), w)  # [L, Hkv, W, D]
+        q = engine.core.runner.recompute_queries([(seq, len(t.context), w)]).transpose(1, 2)  # [L, Hq, W, D]
+        k = engine.core.kv.gather_keys(seq, len(t.context), w)  # [L, Hkv, W, D]
         engine.abort(req.request_id)
         engine.step()
         for m in methods:
             if m == "none":
                 continue
             for r in ratios:
-                out.setdefault((m, r), []).append(make_compressor(method_config(m, r, window)).select(q, k, n).cpu())
+                out.setdefault((m, r), []).append(method_config(m, r, window).make_compressor().select(q, k, n).cpu())
     engine.check_invariants()
     return out
 
@@ -464,7 +472,7 @@ def main() -> None:
                  f"computed from the engine's recomputed queries and cached keys. {time.perf_counter() - t0:.0f} s.")
         print(body)
         if not args.no_write:
-            cmd = "python bench/compression_quality.py " + " ".join(sys.argv[1:])
+            cmd = "python -m bench.compression_quality " + " ".join(sys.argv[1:])
             write_section("Compression quality: which slots each method keeps (SmolLM2)", cmd.strip(), body)
         return
     results = evaluate(engine, trials, METHODS, args.ratio, DEFAULT_WINDOW)
@@ -500,7 +508,7 @@ def main() -> None:
     print(body)
     print(f"total wall time {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
     if not args.no_write:
-        cmd = "python bench/compression_quality.py " + " ".join(sys.argv[1:])
+        cmd = "python -m bench.compression_quality " + " ".join(sys.argv[1:])
         write_section("Compression quality (teacher-forced NLL, SmolLM2)", cmd.strip(), body)
 
 

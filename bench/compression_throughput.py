@@ -5,38 +5,33 @@ tokens); every request generates a long output with ignore_eos; the engine runs 
 C in --concurrency. For each policy and C it prints output tok/s, the mean running batch, peak blocks used,
 preemptions and the share of engine time spent compressing (query recompute + scoring + compaction).
 
-    .venv/bin/python bench/compression_throughput.py [--num-requests 32] [--output-len 512] ...
+    .venv/bin/python -m bench.compression_throughput [--num-requests 32] [--output-len 512] ...
 """
 from __future__ import annotations
 
 import argparse
 import sys
-import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import text_prompts, write_section  # noqa: E402
+from bench.common import run_requests, text_prompts, write_section  # noqa: E402
 from engine import Engine, SamplingParams  # noqa: E402
 
 
-def run_load(engine: Engine, prompts, output_len: int, concurrency: int) -> dict:
-    engine.scheduler.config.max_num_seqs = concurrency
+def run_load(engine: Engine, prompts, output_len: int, concurrency: int, kv_compression) -> dict:
     engine.reset_stats()
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    reqs = [engine._make_request(p, params, f"c{concurrency}-{i}") for i, p in enumerate(prompts)]
-    for r in reqs:
-        engine._submit(r)
-    running, peak_blocks, t0 = [], 0, time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-        running.append(len(engine.scheduler.running))
-        peak_blocks = max(peak_blocks, engine.pool.num_used)
-    wall = time.perf_counter() - t0
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, kv_compression=kv_compression)
+    running, peak_blocks = [], 0
+
+    def sample(st):
+        nonlocal peak_blocks
+        running.append(st.num_running)
+        peak_blocks = max(peak_blocks, st.num_blocks - st.num_free_blocks)
+
+    outs, wall = run_requests(engine, prompts, params, concurrency, prefix=f"c{concurrency}", on_step=sample)
     engine.check_invariants()
     st = engine.stats()
-    tokens = sum(len(r.final.outputs[0].token_ids) for r in reqs)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == len(prompts) * output_len
     return {
         "tok_s": tokens / wall, "wall": wall, "mean_batch": sum(running) / max(1, len(running)),
@@ -94,13 +89,11 @@ def main() -> None:
                  "chunk_max": args.chunk_max, "chunk_budget": args.chunk_budget,
                  "compression_period": args.window - args.buffer},
     }
-    engine.set_kv_compression("none")
-    run_load(engine, prompts[:2], 8, 2)  # warm-up
+    run_load(engine, prompts[:2], 8, 2, "none")  # warm-up
     results = {}
     for policy in args.policies.split(","):
-        engine.set_kv_compression(configs[policy])
         for c in [int(x) for x in args.concurrency.split(",")]:
-            r = run_load(engine, prompts, args.output_len, c)
+            r = run_load(engine, prompts, args.output_len, c, configs[policy])
             results[(policy, c)] = r
             print(f"{policy:9s} C={c:3d} {r['tok_s']:7.1f} tok/s  batch {r['mean_batch']:5.1f}  peak blocks "
                   f"{r['peak_blocks']}/{num_blocks}  preempt {r['preemptions']}  rounds {r['rounds']}  "
@@ -131,7 +124,7 @@ def main() -> None:
         body += f"\n\nperiodic Kara throughput across concurrency {conc}: " + ", ".join(f"{x:.1f}" for x in kara)
     print(body)
     if not args.no_write:
-        write_section("Compression throughput under KV pressure", "python bench/compression_throughput.py " +
+        write_section("Compression throughput under KV pressure", "python -m bench.compression_throughput " +
                       " ".join(sys.argv[1:]), body)
 
 

@@ -1,7 +1,7 @@
 """Decode speed of a Llama-3-8B-shaped model (random bf16 weights) on one GPU, and Kara's time per round.
 
-    python bench/gpu_decode_bench.py                      # what bench/gpu_check.sh runs on the H200
-    python bench/gpu_decode_bench.py --device cpu --backend torch --layers 2 --hidden 256 --heads 4 \
+    python -m bench.gpu_decode_bench                      # what bench/gpu_check.sh runs on the H200
+    python -m bench.gpu_decode_bench --device cpu --backend torch --layers 2 --hidden 256 --heads 4 \
         --kv-heads 2 --head-dim 64 --intermediate 512 --vocab 1000 --batch-sizes 1,4 --context 64 \
         --window 32 --buffer 8 --kara-seqs 2 --no-graphs   # CPU smoke run of the script itself
 
@@ -29,9 +29,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from compression.base import KVCompressionConfig  # noqa: E402
+from compression import KVCompressionConfig  # noqa: E402
 from compression.kara import Kara  # noqa: E402
 from engine.attention import get_backend  # noqa: E402
 from engine.attention.base import build_metadata  # noqa: E402
@@ -215,7 +213,7 @@ class DecodeBench:
 def kara_round(a, model, config, attn, device, dtype, num_seqs: int) -> dict:
     """One compression round over `num_seqs` sequences whose KV holds `--context` tokens."""
     bs, w = a.block_size, a.window
-    comp = KVCompressionConfig(window=w, buffer=a.buffer, compression_period=w, max_seqs_per_round=num_seqs)
+    comp = KVCompressionConfig(window=w, buffer=a.buffer, compression_period=w)
     n = comp.region_len
     L, hkv, hq, d = config.num_layers, config.num_kv_heads, config.num_q_heads, config.head_dim
     pages = -(-a.context // bs)

@@ -4,29 +4,24 @@
 the same size. Also measures the bare matmul floor of one decode step (every linear layer + LM head at
 the batch size, no attention or norms) so the engine's overhead over pure GEMM time is visible.
 
-    .venv/bin/python bench/offline_throughput.py [--num-prompts 64] [--input-len 256] [--output-len 256]
+    .venv/bin/python -m bench.offline_throughput [--num-prompts 64] [--input-len 256] [--output-len 256]
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import median, text_prompts, write_section  # noqa: E402
+from bench.common import median, run_requests, text_prompts, write_section  # noqa: E402
 from engine import Engine, SamplingParams  # noqa: E402
 
 
 def kvllm_run(engine: Engine, prompts, output_len: int, batch: int) -> tuple[float, float]:
     """Output tok/s with at most `batch` sequences running, and mean decode step time (s) at full batch."""
-    engine.scheduler.config.max_num_seqs = batch
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    outs, elapsed = run_requests(engine, prompts, params, batch, prefix=f"b{batch}")
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == len(prompts) * output_len
     engine.check_invariants()
@@ -35,18 +30,20 @@ def kvllm_run(engine: Engine, prompts, output_len: int, batch: int) -> tuple[flo
 
 def decode_step_time(engine: Engine, prompts, batch: int, steps: int = 8) -> float:
     """Median time of a pure decode step with `batch` running sequences."""
-    engine.scheduler.config.max_num_seqs = batch
     # long enough that the first sequences are still decoding when the last prompt's chunked prefill ends
-    prefill_steps = sum(len(p) for p in prompts[:batch]) // engine.scheduler.config.max_num_batched_tokens + 2
+    prompt_tokens = sum(len(p) for p in prompts[:batch])
+    prefill_steps = prompt_tokens // engine.config.max_num_batched_tokens + 2
     params = SamplingParams(temperature=0, max_tokens=prefill_steps + steps + 4, ignore_eos=True)
+    base = engine.stats().prompt_tokens_total
     for i, p in enumerate(prompts[:batch]):
-        engine._submit(engine._make_request(p, params, f"probe-{i}"))
+        engine.add_request(p, params, f"probe-{i}")
     times = []
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         engine.step()
         dt = time.perf_counter() - t0
-        if len(engine.scheduler.running) == batch and all(s.num_pending_tokens == 1 for s in engine.scheduler.running):
+        st = engine.stats()  # every prompt prefilled and all sequences running: a pure decode step
+        if st.num_running == batch and st.prompt_tokens_total - base >= prompt_tokens:
             times.append(dt)
     if not times:
         raise RuntimeError(f"never had {batch} sequences decoding together (KV pool too small?)")
@@ -162,7 +159,7 @@ def main() -> None:
              f"{torch.get_num_threads()} CPU thread(s); HF runs {args.hf_num_prompts} of the prompts.")
     print(body)
     if not args.no_write:
-        cmd = "python bench/offline_throughput.py " + " ".join(sys.argv[1:])
+        cmd = "python -m bench.offline_throughput " + " ".join(sys.argv[1:])
         write_section("Offline throughput (kvllm vs HF transformers)", cmd.strip(), body)
 
 

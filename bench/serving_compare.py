@@ -3,7 +3,7 @@
 Starts the server as a subprocess on a loopback port for each setting, runs the load-test client against
 it, reads the Prometheus counters, and writes the table to docs/benchmarks.md.
 
-    .venv/bin/python bench/serving_compare.py [--num-prompts 16] [--output-len 192]
+    .venv/bin/python -m bench.serving_compare [--num-prompts 16] [--output-len 192]
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import write_section  # noqa: E402
 
 PY = sys.executable
@@ -98,7 +97,7 @@ def main() -> None:
     print(body)
     if not args.no_write:
         write_section("Serving (kvllm bench serve, SmolLM2 on CPU, small KV pool)",
-                      "python bench/serving_compare.py " + " ".join(sys.argv[1:]), body)
+                      "python -m bench.serving_compare " + " ".join(sys.argv[1:]), body)
 
 
 if __name__ == "__main__":

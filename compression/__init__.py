@@ -1,24 +1,33 @@
-"""KV-cache compression: pure scoring/selection logic (no model, engine or paging code)."""
-from compression.base import (
-    METHODS,
-    WINDOW_METHODS,
-    Compressor,
-    KVCompressionConfig,
-    make_compressor,
-    num_kept,
-    num_topk,
-)
+"""KV-cache compression: method registry, configs, pure scoring/selection logic and the serving-loop stage.
+
+Importing the package registers the built-in methods (each module below calls `registry.register`).
+"""
+from compression import kara, snapkv  # noqa: F401  (registration)
+from compression.base import Compressor, WindowBatch, num_kept, num_topk
+from compression.config import COMMON_FIELDS, ConfigError, KVCompressionConfig, coerce
 from compression.kara import Kara, RandomCompressor, RecentCompressor, kara_scores, token2chunk, topk_sorted
+from compression.registry import MethodSpec, names, register
 from compression.snapkv import SnapKVCompressor, snapkv_scores, snapkv_select
 
+
+def make_compressor(config: KVCompressionConfig):
+    """The compressor of ``config.method`` (None for "none")."""
+    return config.make_compressor()
+
+
 __all__ = [
-    "METHODS",
-    "WINDOW_METHODS",
+    "COMMON_FIELDS",
     "Compressor",
+    "ConfigError",
     "KVCompressionConfig",
+    "MethodSpec",
+    "WindowBatch",
+    "coerce",
     "make_compressor",
+    "names",
     "num_kept",
     "num_topk",
+    "register",
     "Kara",
     "RandomCompressor",
     "RecentCompressor",

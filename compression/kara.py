@@ -1,5 +1,5 @@
-"""Kara: sliding-window bidirectional attention scoring (eqs. 3–4) + Token2Chunk (eqs. 5–7), its ablations, and
-the random / recency window baselines. Pure torch, batched over layers and heads (runs on CPU or GPU).
+"""Kara (arXiv 2607.01237 §3.2): sliding-window bidirectional attention scoring (eqs. 3–4) + Token2Chunk (eqs. 5–7),
+its ablations, and the random / recency window baselines. Pure torch, batched over layers and heads.
 """
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ import math
 
 import torch
 
-from compression.base import Compressor, KVCompressionConfig, check_window_inputs, num_kept, num_topk
+from dataclasses import dataclass
+
+from compression import registry
+from compression.base import Compressor, WindowBatch, check_window_inputs, num_kept, num_topk
+from compression.config import field_error
 
 # Above this many float32 logits, kara_scores processes groups of layers at a time (bounds peak memory; the
 # layers in one group are still batched). 1 << 27 floats = 512 MiB.
@@ -116,14 +120,40 @@ def token2chunk(scores: torch.Tensor, num_topk: int, chunk_max: int, chunk_budge
     return torch.where(keep, pos, n).sort(dim=-1).values[..., :total]
 
 
-class Kara(Compressor):
-    """Kara window compressor. ``token2chunk=False`` is the "w/o Token2Chunk" ablation (top ⌈r·n⌉ + α by score);
-    ``buffer_queries_only=True`` is the "w/o Bi-Attention" ablation (scores from the buffer U's queries only)."""
+@dataclass
+class KaraParams:
+    """chunk_max γ ≥ 1 (largest gap Token2Chunk fills), chunk_budget α ≥ 0 (slots it adds per window);
+    token2chunk=False is the "w/o Token2Chunk" ablation (top ⌈r·n⌉ + α by score); buffer_queries=True is the
+    "w/o Bi-Attention" ablation (scores from the buffer U's queries only)."""
+    chunk_max: int = 8
+    chunk_budget: int = 16
+    token2chunk: bool = True
+    buffer_queries: bool = False
 
-    def __init__(self, config: KVCompressionConfig, *, token2chunk: bool = True, buffer_queries_only: bool = False):
+    def validate(self) -> None:
+        for name in ("chunk_max", "chunk_budget"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise field_error(name, "must be an integer", v)
+        if self.chunk_max < 1:
+            raise field_error("chunk_max", "must be >= 1", self.chunk_max)
+        if self.chunk_budget < 0:
+            raise field_error("chunk_budget", "must be >= 0", self.chunk_budget)
+        for name in ("token2chunk", "buffer_queries"):
+            if not isinstance(getattr(self, name), bool):
+                raise field_error(name, "must be a boolean", getattr(self, name))
+
+
+class Kara(Compressor):
+    """Kara window compressor (its ablations through `KaraParams`)."""
+
+    def __init__(self, config, *, token2chunk: bool | None = None, buffer_queries_only: bool | None = None):
         super().__init__(config)
-        self.use_token2chunk = token2chunk
-        self.buffer_queries_only = buffer_queries_only
+        self.use_token2chunk = config.token2chunk if token2chunk is None else token2chunk
+        self.buffer_queries_only = config.buffer_queries if buffer_queries_only is None else buffer_queries_only
+
+    def num_kept(self, num_region: int) -> int:
+        return num_kept(self.config.ratio, num_region, self.config.chunk_budget)
 
     def scores(self, queries: torch.Tensor, keys: torch.Tensor, num_region: int) -> torch.Tensor:
         if self.buffer_queries_only:
@@ -133,7 +163,7 @@ class Kara(Compressor):
         return kara_scores(queries, keys, num_region)
 
     def select(self, queries: torch.Tensor, keys: torch.Tensor, num_region: int) -> torch.Tensor:
-        self._check(queries, keys, num_region)
+        check_window_inputs(queries, keys, num_region)
         a = self.scores(queries, keys, num_region)
         c = self.config
         if self.use_token2chunk:
@@ -141,23 +171,47 @@ class Kara(Compressor):
         return topk_sorted(a, self.num_kept(num_region))
 
 
+@dataclass
+class BudgetParams:
+    """chunk_budget: slots kept beyond ⌈r·n⌉ per window, Kara's α, so the ablations compare at one KV length."""
+    chunk_budget: int = 16
+
+    def validate(self) -> None:
+        if not isinstance(self.chunk_budget, int) or isinstance(self.chunk_budget, bool):
+            raise field_error("chunk_budget", "must be an integer", self.chunk_budget)
+        if self.chunk_budget < 0:
+            raise field_error("chunk_budget", "must be >= 0", self.chunk_budget)
+
+
 class RandomCompressor(Compressor):
-    """Keeps ⌈r·n⌉ + α uniformly random region positions per (layer, head). A CPU generator seeded with
-    ``config.seed`` at construction: a run is reproducible, successive windows get different draws."""
+    """Keeps ⌈r·n⌉ + α uniformly random region positions per (layer, head). Each window draws from its own
+    sequence's generator (seeded with ``config.seed``), so a run is reproducible whatever else is batched with it;
+    `select` (no batch) uses a generator of its own, seeded at construction."""
 
     needs_queries = False
 
-    def __init__(self, config: KVCompressionConfig):
+    def __init__(self, config):
         super().__init__(config)
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(config.seed)
 
-    def select(self, queries: torch.Tensor, keys: torch.Tensor, num_region: int) -> torch.Tensor:
-        self._check(queries, keys, num_region)
+    def num_kept(self, num_region: int) -> int:
+        return num_kept(self.config.ratio, num_region, self.config.chunk_budget)
+
+    def _draw(self, rows: int, hkv: int, num_region: int, generator: torch.Generator) -> torch.Tensor:
+        noise = torch.rand(rows, hkv, num_region, generator=generator)
+        return noise.topk(self.num_kept(num_region), dim=-1).indices.sort(dim=-1).values
+
+    def select(self, queries, keys: torch.Tensor, num_region: int) -> torch.Tensor:
+        if queries is not None:
+            check_window_inputs(queries, keys, num_region)
         L, hkv = keys.shape[:2]
-        k = self.num_kept(num_region)
-        noise = torch.rand(L, hkv, num_region, generator=self.generator)
-        return noise.topk(k, dim=-1).indices.sort(dim=-1).values.to(keys.device)
+        return self._draw(L, hkv, num_region, self.generator).to(keys.device)
+
+    def select_windows(self, batch: WindowBatch) -> torch.Tensor:
+        hkv = batch.keys.shape[1]
+        draws = [self._draw(batch.layers, hkv, batch.num_region, g) for g in batch.generators]
+        return torch.cat(draws).to(batch.keys.device)
 
 
 class RecentCompressor(Compressor):
@@ -167,11 +221,25 @@ class RecentCompressor(Compressor):
 
     needs_queries = False
 
-    def select(self, queries: torch.Tensor, keys: torch.Tensor, num_region: int) -> torch.Tensor:
-        self._check(queries, keys, num_region)
+    def num_kept(self, num_region: int) -> int:
+        return num_kept(self.config.ratio, num_region, self.config.chunk_budget)
+
+    def select(self, queries, keys: torch.Tensor, num_region: int) -> torch.Tensor:
+        if queries is not None:
+            check_window_inputs(queries, keys, num_region)
         L, hkv = keys.shape[:2]
         k = self.num_kept(num_region)
         return torch.arange(num_region - k, num_region, device=keys.device).expand(L, hkv, k).clone()
 
 
-__all__ = ["kara_scores", "token2chunk", "topk_sorted", "Kara", "RandomCompressor", "RecentCompressor", "num_kept"]
+registry.register("kara", Kara, KaraParams, description="Kara: bidirectional window scores + Token2Chunk")
+registry.register("kara_no_chunk", Kara, KaraParams, defaults={"token2chunk": False},
+                  description="Kara ablation: top ⌈r·n⌉ + α by score, no Token2Chunk")
+registry.register("kara_buffer_queries", Kara, KaraParams, defaults={"buffer_queries": True},
+                  description="Kara ablation: scores from the buffer's queries only")
+registry.register("random", RandomCompressor, BudgetParams, description="⌈r·n⌉ + α random region slots")
+registry.register("streaming", RecentCompressor, BudgetParams, description="the newest ⌈r·n⌉ + α region slots")
+
+
+__all__ = ["kara_scores", "token2chunk", "topk_sorted", "Kara", "KaraParams", "RandomCompressor", "RecentCompressor",
+           "BudgetParams", "num_kept"]

@@ -14,7 +14,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from compression.base import KVCompressionConfig
+from dataclasses import dataclass
+
+from compression import registry
+from compression.base import Compressor
+from compression.config import field_error
 from compression.kara import MAX_LOGIT_ELEMS, topk_sorted
 
 
@@ -62,29 +66,27 @@ def snapkv_select(scores: torch.Tensor, budget: int) -> torch.Tensor:
     return topk_sorted(scores, budget)
 
 
-class SnapKVCompressor:
-    """Threshold-triggered SnapKV (method "threshold").
+@dataclass
+class SnapKVParams:
+    """snapkv_kernel: the odd average-pooling kernel over the key axis."""
+    snapkv_kernel: int = 5
 
-    ``should_compress(kv_len)``: kv_len >= C_max. ``select(queries_obs, keys)``: queries of the last w slots and
-    keys of all T = kv_len slots -> kept indices [L, Hkv, min(N − w, T − w)] into the prefix [0, T − w); the
-    caller keeps the w window slots after them (compaction region [0, T − w), tail = window)."""
-
-    def __init__(self, config: KVCompressionConfig):
-        self.config = config
-
-    @property
-    def observation_window(self) -> int:
-        return self.config.observation_window
-
-    def should_compress(self, kv_len: int) -> bool:
-        return kv_len >= self.config.threshold_max
-
-    def prefix_budget(self) -> int:
-        return self.config.threshold_target - self.config.observation_window
-
-    def select(self, queries_obs: torch.Tensor, keys: torch.Tensor, budget: int | None = None) -> torch.Tensor:
-        scores = snapkv_scores(queries_obs, keys, self.config.snapkv_kernel)
-        return snapkv_select(scores, self.prefix_budget() if budget is None else budget)
+    def validate(self) -> None:
+        k = self.snapkv_kernel
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1 or k % 2 == 0:
+            raise field_error("snapkv_kernel", "must be an odd integer >= 1", k)
 
 
-__all__ = ["snapkv_scores", "snapkv_select", "SnapKVCompressor"]
+class SnapKVCompressor(Compressor):
+    """Threshold-triggered SnapKV (method "threshold"): ``select_prefix(queries_obs, keys, budget)`` takes the
+    queries of the last w slots and the keys of all T = kv_len slots and returns kept indices
+    [L, Hkv, min(budget, T − w)] into the prefix [0, T − w); the caller keeps the w window slots after them."""
+
+    def select_prefix(self, queries_obs: torch.Tensor, keys: torch.Tensor, budget: int) -> torch.Tensor:
+        return snapkv_select(snapkv_scores(queries_obs, keys, self.config.snapkv_kernel), budget)
+
+
+registry.register("threshold", SnapKVCompressor, SnapKVParams, policies=("threshold",),
+                  description="SnapKV threshold baseline: compress the whole cache to N once it reaches C_max")
+
+__all__ = ["snapkv_scores", "snapkv_select", "SnapKVCompressor", "SnapKVParams"]

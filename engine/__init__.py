@@ -4,6 +4,7 @@
     llm = Engine(model="smollm2")
     print(llm.generate("Hello", SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text)
 """
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -16,4 +17,5 @@ def __getattr__(name):  # Engine pulls in the model code; import it lazily
     raise AttributeError(name)
 
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineStats"]
+__all__ = ["Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineStats", "InvalidRequestError",
+           "EngineDeadError"]

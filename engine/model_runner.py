@@ -48,11 +48,12 @@ class ModelRunner:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
             row0 = len(input_ids)
-            input_ids.extend(_token_slice(seq, start, n))
+            input_ids.extend(seq.token_slice(start, n))
             positions.extend(range(start, start + n))
-            if seq.score_from is not None:
+            if seq.scoring is not None:
                 # logits at position t score token t + 1; only tokens from score_from on, once each
-                first = max(start, seq.score_from - 1, seq.score_from - 1 + len(seq.prompt_logprobs))
+                sc = seq.scoring
+                first = max(start, sc.score_from - 1, sc.score_from - 1 + len(sc.prompt_logprobs))
                 last = min(start + n, seq.num_prompt_tokens - 1)
                 rows = list(range(row0 + first - start, row0 + last - start))
                 score_rows.extend(rows)
@@ -94,7 +95,7 @@ class ModelRunner:
         concatenated."""
         input_ids, positions, kv_ends = [], [], []
         for seq, start, n in spans:
-            input_ids.extend(_token_slice(seq, start, n))
+            input_ids.extend(seq.token_slice(start, n))
             positions.extend(range(start, start + n))
             kv_ends.append(seq.kv_len - (seq.num_computed_tokens - (start + n)))  # the slot after the span's end
         meta = build_metadata([s.block_table for s, _, _ in spans], [n for _, _, n in spans],
@@ -104,13 +105,3 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self.model.recompute_queries(ids, pos, self.kv_cache.layers, self.attn, meta)
 
-
-def _token_slice(seq: Sequence, start: int, n: int) -> list[int]:
-    """Token ids of logical positions [start, start + n) without concatenating the whole sequence."""
-    p = seq.num_prompt_tokens
-    if start >= p:
-        return seq.output_token_ids[start - p:start - p + n]
-    head = seq.prompt_token_ids[start:start + n]
-    if start + n > p:
-        head = head + seq.output_token_ids[:start + n - p]
-    return head

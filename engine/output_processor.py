@@ -35,32 +35,33 @@ class OutputProcessor:
 
     def detokenize(self, seq: Sequence) -> None:
         """Incremental detokenization: decode a short trailing window and append only complete characters."""
-        ids = seq.output_token_ids
-        prefix = self.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset], seq)
-        full = self.decode(ids[seq.detok_prefix_offset:], seq)
+        ids, d = seq.output_token_ids, seq.detok
+        prefix = self.decode(ids[d.prefix_offset:d.read_offset], seq)
+        full = self.decode(ids[d.prefix_offset:], seq)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self._append_text(seq, full[len(prefix):])
-            seq.detok_prefix_offset = seq.detok_read_offset
-            seq.detok_read_offset = len(ids)
+            d.prefix_offset = d.read_offset
+            d.read_offset = len(ids)
 
     def flush(self, seq: Sequence) -> None:
         if seq.finish_reason == "stop" and isinstance(seq.stop_reason, str):
             return
-        ids = seq.output_token_ids
-        if seq.detok_read_offset < len(ids):
-            prefix = self.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset], seq)
-            full = self.decode(ids[seq.detok_prefix_offset:], seq)
-            seq.text += full[len(prefix):]
-            seq.detok_read_offset = len(ids)
+        ids, d = seq.output_token_ids, seq.detok
+        if d.read_offset < len(ids):
+            prefix = self.decode(ids[d.prefix_offset:d.read_offset], seq)
+            full = self.decode(ids[d.prefix_offset:], seq)
+            d.text += full[len(prefix):]
+            d.read_offset = len(ids)
 
     def _append_text(self, seq: Sequence, new: str) -> None:
-        start = len(seq.text)
-        seq.text += new
+        d = seq.detok
+        start = len(d.text)
+        d.text += new
         for stop in seq.params.stop_strings:
-            idx = seq.text.find(stop, max(0, start - len(stop) + 1))
+            idx = d.text.find(stop, max(0, start - len(stop) + 1))
             if idx != -1:
                 end = idx + len(stop) if seq.params.include_stop_str_in_output else idx
-                seq.text = seq.text[:end]
+                d.text = d.text[:end]
                 seq.finish_reason, seq.stop_reason = "stop", stop
                 return
 
@@ -80,17 +81,17 @@ class OutputProcessor:
         return None, None
 
     def completion(self, seq: Sequence, delta: bool) -> CompletionOutput:
-        tokens = seq.output_token_ids
-        text = seq.text
+        tokens, d = seq.output_token_ids, seq.detok
+        text = d.text
         if not seq.is_finished and seq.params.stop_strings:
             # hold back what could still become a stop string
             hold = max(len(s) for s in seq.params.stop_strings) - 1
-            text = text[:max(len(text) - hold, seq.sent_text)]
+            text = text[:max(len(text) - hold, d.sent_text)]
         logprobs = seq.logprobs if seq.params.logprobs is not None else None
         if delta:
-            out_tokens, out_text = tokens[seq.sent_tokens:], text[seq.sent_text:]
-            logprobs = logprobs[seq.sent_tokens:] if logprobs is not None else None
-            seq.sent_tokens, seq.sent_text = len(tokens), len(text)
+            out_tokens, out_text = tokens[d.sent_tokens:], text[d.sent_text:]
+            logprobs = logprobs[d.sent_tokens:] if logprobs is not None else None
+            d.sent_tokens, d.sent_text = len(tokens), len(text)
         else:
             out_tokens, out_text = list(tokens), text
         return CompletionOutput(
@@ -104,7 +105,8 @@ class OutputProcessor:
         metrics = RequestMetrics(req.arrival_time, min(firsts) if firsts else None,
                                  time.monotonic() if req.finished else None,
                                  sum(s.num_preemptions for s in req.seqs))
-        scored = req.seqs[0].prompt_logprobs if req.seqs[0].score_from is not None else None
+        scoring = req.seqs[0].scoring
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
                              [self.completion(s, delta) for s in req.seqs], req.finished, metrics,
-                             prompt_logprobs=list(scored) if scored is not None else None)
+                             prompt_logprobs=list(scoring.prompt_logprobs) if scoring is not None else None,
+                             num_cached_tokens=req.seqs[0].num_cached_tokens)

@@ -1,7 +1,7 @@
 """Results returned to users (vLLM's RequestOutput / CompletionOutput fields)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -35,7 +35,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[float | None] | None = None  # teacher-forced scoring results
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
 @dataclass
@@ -55,7 +55,8 @@ class EngineStats:
     compression_tokens_seen: int = 0  # tokens scored by compression (retention = 1 - evicted / seen)
     compression_seconds: float = 0.0
     engine_seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which were found there
 
     @property
     def compression_retention(self) -> float | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.errors import InvalidRequestError
+
 
 @dataclass
 class SamplingParams:
@@ -20,14 +22,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: just the sampled one)
     skip_special_tokens: bool = True
-    # KV compression for this request: None uses the engine's setting; "none" disables; a dict or
-    # compression.KVCompressionConfig overrides it.
+    # KV compression for this request: None uses the engine's setting; "none" disables; a method name, a dict of
+    # fields or a compression.KVCompressionConfig overrides it (omitted fields keep the engine's values).
     kv_compression: Any = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
-            raise ValueError(f"{name} {why}")
+            raise InvalidRequestError(f"{name} {why}", name)
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be an integer >= 1, got {self.n!r}")
@@ -57,23 +59,22 @@ class SamplingParams:
         if not all(isinstance(t, int) and t >= 0 for t in ids):
             bad("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
-        self.kv_compression = _normalize_compression(self.kv_compression)
+        self.kv_compression = _check_compression(self.kv_compression)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def _normalize_compression(value: Any):
-    """None stays None (engine default); 'none' / dict / config become a validated KVCompressionConfig."""
+def _check_compression(value: Any) -> Any:
+    """Validate each given field now (errors name it); keep the value as given: the engine fills omitted fields from
+    its own setting and then checks the rules between fields (buffer < window, ...)."""
     if value is None:
         return None
-    from compression.base import KVCompressionConfig
+    from compression.config import coerce
 
-    if isinstance(value, KVCompressionConfig):
-        return value
-    if isinstance(value, str):
-        return KVCompressionConfig.from_dict({"method": value})
-    if isinstance(value, dict):
-        return KVCompressionConfig.from_dict(value)
-    raise ValueError(f"kv_compression must be 'none', a method name, a dict or a KVCompressionConfig, got {value!r}")
+    try:
+        cfg = coerce(value, relations=False)
+    except ValueError as err:
+        raise InvalidRequestError(str(err), getattr(err, "param", None) or "kv_compression") from None
+    return dict(value) if isinstance(value, dict) else (value if isinstance(value, str) else cfg)

@@ -1,11 +1,19 @@
-"""Fixed pool of KV blocks with an O(1) free list and reference counts."""
+"""Fixed pool of KV blocks: reference counts, a free list, and the prefix cache's hash -> block map.
+
+A block is in exactly one of three states:
+- *free*: on the free stack, ref count 0, holds nothing worth keeping;
+- *cached*: ref count 0 but registered under a prefix hash; it stays reusable (a prefix-cache hit takes it back)
+  until an allocation finds the free stack empty and evicts it, least recently freed first;
+- *used*: ref count >= 1 (several sequences may share a cached prompt block).
+Allocation prefers the free stack so cached prefixes survive as long as possible.
+"""
 from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable
 
 
 class BlockPool:
-    """Hands out block ids. A block is either free (on the free list, ref count 0) or referenced (ref count
-    >= 1). `share` adds a reference so one block can later back several sequences (prefix sharing)."""
-
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -13,52 +21,103 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         # Popped from the end: reversed so the first allocations get ids 0, 1, 2, ...
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with ref count 0, LRU first
+        self._hash_to_block: dict[Hashable, int] = {}
+        self._block_to_hash: dict[int, Hashable] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take now: free plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_to_hash)
 
     def usage(self) -> float:
         return self.num_used / self.num_blocks
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def allocate(self, n: int = 1) -> list[int]:
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
-            raise MemoryError(f"need {n} KV blocks, only {len(self._free)} free")
-        blocks = [self._free.pop() for _ in range(n)]
-        for b in blocks:
+        if n > self.num_free:
+            raise MemoryError(f"need {n} KV blocks, only {self.num_free} free")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:  # evict the least recently freed cached block
+                b, _ = self._evictable.popitem(last=False)
+                del self._hash_to_block[self._block_to_hash.pop(b)]
             self.ref_counts[b] = 1
+            blocks.append(b)
         return blocks
 
     def share(self, blocks: list[int]) -> None:
+        """One more reference to blocks that are in use."""
         for b in blocks:
             if self.ref_counts[b] < 1:
                 raise ValueError(f"cannot share free block {b}")
             self.ref_counts[b] += 1
 
     def free(self, blocks: list[int]) -> None:
-        """Drop one reference from each block; blocks reaching zero return to the free list. Blocks are
-        pushed in reverse so a sequence's head blocks are reused first."""
+        """Drop one reference from each block. Blocks reaching zero go back in reverse table order: a freed
+        sequence's head blocks are reused (or, if cached, evicted) last."""
         for b in reversed(blocks):
             if self.ref_counts[b] < 1:
                 raise ValueError(f"double free of block {b}")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free.append(b)
+                if b in self._block_to_hash:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    # -- prefix cache -------------------------------------------------------------------------------------
+    def lookup(self, key: Hashable) -> int | None:
+        return self._hash_to_block.get(key)
+
+    def touch(self, blocks: list[int]) -> None:
+        """Take a reference to cached blocks found by `lookup` (reviving them if their ref count was 0)."""
+        for b in blocks:
+            if b not in self._block_to_hash:
+                raise ValueError(f"block {b} is not cached")
+            if self.ref_counts[b] == 0:
+                del self._evictable[b]
+            self.ref_counts[b] += 1
+
+    def cache(self, block: int, key: Hashable) -> bool:
+        """Register a full, used block under `key`; False (and nothing changes) if the key or block already is."""
+        if self.ref_counts[block] < 1:
+            raise ValueError(f"cannot cache free block {block}")
+        if key in self._hash_to_block or block in self._block_to_hash:
+            return False
+        self._hash_to_block[key] = block
+        self._block_to_hash[block] = key
+        return True
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._block_to_hash
+
+    def num_evictable_in(self, blocks: list[int]) -> int:
+        """How many of these cached blocks sit unreferenced (touching them takes them out of `num_free`)."""
+        return sum(1 for b in blocks if self.ref_counts[b] == 0)
 
     def check_invariants(self) -> None:
-        free = self._free
+        free, evictable = self._free, self._evictable
         assert len(set(free)) == len(free), "a block is on the free list twice"
         free_set = set(free)
+        assert not free_set & set(evictable), "a block is both free and evictable"
         for b, rc in enumerate(self.ref_counts):
             assert rc >= 0, f"block {b} has negative ref count {rc}"
-            assert (rc == 0) == (b in free_set), f"block {b}: ref count {rc} but free={b in free_set}"
+            idle = b in free_set or b in evictable
+            assert (rc == 0) == idle, f"block {b}: ref count {rc} but free/evictable={idle}"
+        assert all(b in self._block_to_hash for b in evictable), "an evictable block is not cached"
+        assert not free_set & set(self._block_to_hash), "a free-stack block is still cached"
+        assert len(self._hash_to_block) == len(self._block_to_hash)
+        assert all(self._hash_to_block[k] == b for b, k in self._block_to_hash.items()), "hash map out of sync"
         assert self.num_free + sum(1 for rc in self.ref_counts if rc > 0) == self.num_blocks

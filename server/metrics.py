@@ -1,4 +1,4 @@
-"""Prometheus metrics with vLLM's names under the ``kvllm:`` prefix (see conventions.md §2).
+"""Prometheus metrics with vLLM's names under the ``kvllm:`` prefix .
 
 Each app gets its own `CollectorRegistry`, so tests can build several apps in one process.
 
@@ -7,7 +7,8 @@ Each app gets its own `CollectorRegistry`, so tests can build several apps in on
   ``kvllm:num_kv_blocks``, ``kvllm:num_free_kv_blocks``, ``kvllm:prompt_tokens_total``,
   ``kvllm:generation_tokens_total``, ``kvllm:num_preemptions_total`` and the compression counters
   ``kvllm:compression_rounds_total``, ``kvllm:compression_blocks_freed_total``,
-  ``kvllm:compression_tokens_evicted_total``, ``kvllm:compression_seconds_total``.
+  ``kvllm:compression_tokens_evicted_total``, ``kvllm:compression_seconds_total``, and the prefix cache's
+  ``kvllm:prefix_cache_queries_total`` / ``kvllm:prefix_cache_hits_total`` (tokens, as vLLM counts them).
 * Per-request histograms observed by the HTTP layer (seconds, vLLM's buckets):
   ``kvllm:time_to_first_token_seconds``, ``kvllm:inter_token_latency_seconds``,
   ``kvllm:e2e_request_latency_seconds``, ``kvllm:request_prompt_tokens``, ``kvllm:request_generation_tokens``;
@@ -55,6 +56,8 @@ class EngineStatsCollector(Collector):
         ("compression_blocks_freed", "compression_blocks_freed", "KV blocks freed by compression."),
         ("compression_tokens_evicted", "compression_tokens_evicted", "KV tokens evicted by compression."),
         ("compression_seconds", "compression_seconds", "Wall time spent compressing (seconds)."),
+        ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of prompt tokens looked up."),
+        ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of prompt tokens found cached."),
     )
 
     def __init__(self, engine: Any, model_name: str, prefix: str = "kvllm:"):

@@ -31,10 +31,24 @@ def tiny_hf_llama(tiny_llama_dir):
     return model.eval()
 
 
+def check_every_step(eng):
+    """Make `eng` assert the KV manager's invariants (exact block counts and ref counts, no leak once idle) after
+    every step it runs, whichever thread drives it."""
+    step = eng.core.step
+
+    def checked_step():
+        out = step()
+        eng.core.check_invariants()
+        return out
+
+    eng.core.step = checked_step
+    return eng
+
+
 @pytest.fixture
 def make_engine(tiny_llama_dir):
-    """Build engines over the tiny model (fp32, CPU); every engine built here is checked for leaks after
-    the test."""
+    """Build engines over the tiny model (fp32, CPU). Every engine built here checks its invariants after every
+    step, and for leaks after the test."""
     from engine.engine import Engine
 
     engines = []
@@ -44,7 +58,7 @@ def make_engine(tiny_llama_dir):
         kwargs.setdefault("device", "cpu")
         kwargs.setdefault("block_size", 4)
         kwargs.setdefault("num_kv_blocks", 256)
-        eng = Engine(model=str(tiny_llama_dir), **kwargs)
+        eng = check_every_step(Engine(model=str(tiny_llama_dir), **kwargs))
         engines.append(eng)
         return eng
 
@@ -52,7 +66,8 @@ def make_engine(tiny_llama_dir):
     for eng in engines:
         eng.shutdown()
         eng.check_invariants()
-        assert eng.pool.num_free == eng.pool.num_blocks, "KV blocks leaked"
+        s = eng.stats()
+        assert s.num_free_blocks == s.num_blocks, "KV blocks leaked"
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

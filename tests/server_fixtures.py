@@ -95,7 +95,9 @@ def build_engine(model_dir: Path, **kwargs):
     kwargs.setdefault("max_model_len", TINY_MAX_MODEL_LEN)
     kwargs.setdefault("max_num_seqs", 64)
     kwargs.setdefault("max_num_batched_tokens", 2048)
-    return Engine(model=str(model_dir), **kwargs)
+    from conftest import check_every_step
+
+    return check_every_step(Engine(model=str(model_dir), **kwargs))
 
 
 def wait_drained(engine, timeout: float = 30.0) -> None:

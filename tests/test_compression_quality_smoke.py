@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.compression_quality import (METHODS, _passage_stats, diagnose, evaluate, passage_kept_fraction,  # noqa: E402
                                        synthetic_trials, tables)
 from engine import SamplingParams  # noqa: E402
@@ -77,17 +76,18 @@ def test_recompute_queries_of_a_tail_prefix_equal_the_full_tail(make_engine, one
     small = dict(method="kara", ratio=0.25, **WINDOW)
     eng = make_engine(num_kv_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, kv_compression=small)
-    req = eng._make_request(list(range(10, 80)), params, "a", score_from=6, max_chunk=4)
-    eng._submit(req)
+    req = eng.core.make_request(list(range(10, 80)), params, "a", score=(6, 4))
+    eng.add_request(req)
     checked = 0
     while not req.done.is_set():
         eng.step()
         seq = req.seqs[0]
-        if seq.is_finished or seq.uncompressed_tail < 12:
+        st = seq.compression
+        if seq.is_finished or st.tail(seq.num_computed_tokens) < 12:
             continue
-        tail = seq.uncompressed_tail
-        full = eng.runner.recompute_queries([(seq, seq.compressed_tokens, tail)])
-        part = eng.runner.recompute_queries([(seq, seq.compressed_tokens, tail - 5)])
+        tail = st.tail(seq.num_computed_tokens)
+        full = eng.core.runner.recompute_queries([(seq, st.compressed_tokens, tail)])
+        part = eng.core.runner.recompute_queries([(seq, st.compressed_tokens, tail - 5)])
         torch.testing.assert_close(part, full[:, :tail - 5], rtol=1e-5, atol=1e-5)
         checked += seq.kv_len < seq.num_computed_tokens
     assert checked > 0  # some checks ran on an already-compressed sequence

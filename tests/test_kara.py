@@ -203,7 +203,11 @@ def test_token2chunk_property(data, n, ratio, gamma, alpha, rows):
 
 # ----------------------------------------------------------------------------- compressors
 def _cfg(method="kara", **kw):
-    base = dict(method=method, ratio=0.3, window=40, buffer=8, chunk_max=4, chunk_budget=6, compression_period=40)
+    base = dict(method=method, ratio=0.3, window=40, buffer=8, chunk_budget=6, compression_period=40)
+    if method.startswith("kara"):
+        base["chunk_max"] = 4  # a Kara parameter: other methods reject it
+    if method in ("none", "threshold"):
+        base.pop("chunk_budget")
     base.update(kw)
     return KVCompressionConfig(**base)
 
@@ -261,8 +265,13 @@ def test_streaming_keeps_newest_and_random_is_seeded():
 
 def test_make_compressor_non_window_methods():
     assert make_compressor(_cfg("none")) is None
-    with pytest.raises(ValueError, match="threshold"):
-        make_compressor(_cfg("threshold"))
+    threshold = make_compressor(_cfg("threshold"))
+    with pytest.raises(NotImplementedError, match="periodic"):  # a threshold-only method has no window selection
+        threshold.select(torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8), 32)
+    with pytest.raises(ValueError, match=r"kv_compression\.policy"):
+        KVCompressionConfig(method="threshold", policy="periodic")
+    with pytest.raises(ValueError, match=r"kv_compression\.chunk_max is not a setting of method 'random'"):
+        KVCompressionConfig(method="random", chunk_max=4)
 
 
 def test_compressor_input_checks():
@@ -297,7 +306,7 @@ def test_config_defaults_and_derived():
     ({"chunk_max": 0}, "kv_compression.chunk_max"),
     ({"chunk_budget": -1}, "kv_compression.chunk_budget"),
     ({"compression_period": 447}, "kv_compression.compression_period"),
-    ({"max_seqs_per_round": 0}, "kv_compression.max_seqs_per_round"),
+    ({"max_seqs_per_round": 4}, "kv_compression.max_seqs_per_round"),  # removed: rounds are per sequence
     ({"compress_prompt": 1}, "kv_compression.compress_prompt"),
     ({"threshold_target": 4096}, "kv_compression.threshold_max"),
     ({"threshold_target": 16}, "kv_compression.threshold_target"),

@@ -1,15 +1,17 @@
 """Scheduler with exact block ids: chunked prefill, admission, preemption by recompute, finishing."""
+import torch
+
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
-from paging.block_pool import BlockPool
+from paging.kv_cache import KVCache
+from paging.kv_cache_manager import KVCacheManager
 
 
-def make(num_blocks=8, block_size=4, max_num_seqs=4, budget=16, watermark=0):
-    pool = BlockPool(num_blocks)
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, block_size=block_size,
-                          watermark_blocks=watermark)
-    return Scheduler(cfg, pool), pool
+def make(num_blocks=8, block_size=4, max_num_seqs=4, budget=16, watermark=0, prefix_caching=False):
+    kv = KVCacheManager(KVCache(1, num_blocks, block_size, 1, 2, torch.float32), prefix_caching)
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, watermark_blocks=watermark)
+    return Scheduler(cfg, kv), kv.pool
 
 
 def seq(n_prompt, rid="r"):
@@ -20,7 +22,7 @@ def run_step(sched, sampled_token=7):
     """Schedule, pretend the model ran, append one token to every sequence whose prefill completed."""
     out = sched.schedule()
     done = [s.seq for s in out.scheduled if s.completes_prefill]
-    sched.advance(out.scheduled)
+    sched.commit(out.scheduled)
     for s in done:
         s.output_token_ids.append(sampled_token)
     return out
@@ -92,7 +94,7 @@ def test_preemption_frees_newest_sequence_and_it_resumes_from_prompt_plus_output
     assert b.num_computed_tokens == 0 and b.output_token_ids == [11, 12, 13, 13, 13]
     assert list(sched.waiting) == [b] and sched.num_preemptions == 1
     pool.check_invariants()
-    sched.advance(out.scheduled)
+    sched.commit(out.scheduled)
     a.output_token_ids.append(14)
     sched.finish(a)
     assert pool.num_free == 4
@@ -107,19 +109,16 @@ def test_preemption_frees_newest_sequence_and_it_resumes_from_prompt_plus_output
 
 def test_sequence_preempts_itself_when_it_is_the_newest():
     sched, pool = make(num_blocks=2, budget=64)
-    a, b = seq(4, "a"), seq(4, "b")
+    a, b = seq(3, "a"), seq(4, "b")
     sched.add(a)
     sched.add(b)
-    run_step(sched)
-    for _ in range(4):
-        out = sched.schedule()
-        if out.preempted:
-            break
-        sched.advance(out.scheduled)
-        for s in out.scheduled:
-            s.seq.output_token_ids.append(5)
-    # a (oldest) needs a block: b is preempted; a is scheduled with b's block
+    run_step(sched)  # a -> [0] (3 slots), b -> [1] (4 slots): the pool is empty
+    out = sched.schedule()
+    # a's next slot fits its block; b (the newest) needs a second block: the only victim is b itself, so it
+    # preempts itself instead of taking a's blocks
     assert out.preempted == [b] and [s.seq for s in out.scheduled] == [a]
+    assert b.status == SequenceStatus.WAITING and b.block_table == [] and list(sched.waiting) == [b]
+    assert a.block_table == [0] and pool.num_free == 1
     pool.check_invariants()
 
 

@@ -226,9 +226,16 @@ def test_max_tokens_and_stop(tiny_engine, client, drained):
     assert tok_stop.choices[0].finish_reason == "stop"
     assert tok_stop.choices[0].model_extra.get("stop_reason") == ids[k]
     assert tok_stop.usage.completion_tokens == k + 1
-    # min_tokens + top_k/top_p extras are accepted
+    # min_tokens masks the stop token id until that many tokens exist (min_tokens < max_tokens)
+    late = client.completions.create(model=name, prompt=PROMPT, max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True, "stop_token_ids": [ids[k]], "min_tokens": k + 3})
+    assert late.usage.completion_tokens >= k + 3
+    late_ids = _greedy(tiny_engine, PROMPT, 16, ignore_eos=True, stop_token_ids=[ids[k]],
+                       min_tokens=k + 3).outputs[0].token_ids
+    assert ids[k] not in late_ids[:k + 3] and late.usage.completion_tokens == len(late_ids)
+    # top_k/top_p extras are accepted
     r = client.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0.7, top_p=0.9, seed=3,
-                                  extra_body={"top_k": 20, "min_tokens": 6})
+                                  extra_body={"top_k": 20, "min_tokens": 2})
     assert r.usage.completion_tokens == 6
 
 
@@ -304,6 +311,16 @@ def test_cli_parsing():
         parser.parse_args(["serve", "--num-kv-blocks", "4", "--kv-cache-memory", "1GiB"])
     with pytest.raises(ValueError, match="kv_compression.buffer"):
         engine_kwargs_from_args(parser.parse_args(["serve", "--kara-window", "16", "--kara-buffer", "32"]))
+    # the engine-wide default as one JSON value (like vLLM's --speculative-config), flags merged over it
+    js = parser.parse_args(["serve", "--kv-compression", '{"method": "streaming", "ratio": 0.5}', "--kara-window",
+                            "128", "--no-enable-prefix-caching"])
+    kw = engine_kwargs_from_args(js)
+    assert kw["kv_compression"] == {"method": "streaming", "ratio": 0.5, "window": 128}
+    assert kw["enable_prefix_caching"] is False
+    with pytest.raises(ValueError, match="kv_compression.chunk_max"):
+        engine_kwargs_from_args(parser.parse_args(["serve", "--kv-compression", '{"method": "random", "chunk_max": 2}']))
+    with pytest.raises(ValueError, match="invalid JSON"):
+        engine_kwargs_from_args(parser.parse_args(["serve", "--kv-compression", "{oops"]))
     b = parser.parse_args(["bench", "serve", "--num-prompts", "5", "--request-rate", "2.5", "--extra-body",
                            '{"kv_compression": "none"}', "--save-result", "--plot", "x.png"])
     assert b.num_prompts == 5 and b.request_rate == 2.5 and b.extra_body == {"kv_compression": "none"}
@@ -350,7 +367,7 @@ def test_cli_serve_real_smollm2_end_to_end(tmp_path):
 def test_request_to_sampling_params_mapping():
     """The protocol → SamplingParams mapping, including per-request kv_compression over the server's setting."""
     from api.protocol import ChatCompletionRequest, CompletionRequest, RequestError, to_sampling_params
-    from compression.base import KVCompressionConfig
+    from compression import KVCompressionConfig
 
     p = to_sampling_params(CompletionRequest(prompt="x", n=2, temperature=0, top_k=-1, stop="###", seed=5,
                                              logprobs=2, ignore_eos=True, min_tokens=1))
@@ -365,18 +382,23 @@ def test_request_to_sampling_params_mapping():
     assert p.max_tokens == 7 and p.logprobs == 3
     p = to_sampling_params(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]))
     assert p.max_tokens is None and p.logprobs is None  # chat: up to the context limit
-    base = KVCompressionConfig(method="kara", ratio=0.5, window=128, buffer=32, compression_period=96)
-    p = to_sampling_params(CompletionRequest(prompt="x", kv_compression={"ratio": 0.25}), kv_compression_base=base)
-    cfg = p.kv_compression
-    assert (cfg.method, cfg.ratio, cfg.window, cfg.buffer, cfg.compression_period) == ("kara", 0.25, 128, 32, 96)
-    cfg = to_sampling_params(CompletionRequest(prompt="x", kv_compression="kara_no_chunk"),
-                             kv_compression_base=base).kv_compression
-    assert (cfg.method, cfg.window) == ("kara_no_chunk", 128)
-    assert to_sampling_params(CompletionRequest(prompt="x", kv_compression="none"),
-                              kv_compression_base=base).kv_compression.method == "none"
-    cfg = to_sampling_params(CompletionRequest(prompt="x", kv_compression={"window": 64, "buffer": 8,
-                                                                          "compression_period": 56})).kv_compression
-    assert (cfg.method, cfg.window) == ("kara", 64)  # no server setting: the config defaults
+    # per-request kv_compression is passed through as given and merged with the server's setting by the engine,
+    # in one converter (compression.config.coerce); its errors still name the field
+    assert to_sampling_params(CompletionRequest(prompt="x", kv_compression={"ratio": 0.25})).kv_compression == \
+        {"ratio": 0.25}
     with pytest.raises(RequestError) as e:
-        to_sampling_params(CompletionRequest(prompt="x", kv_compression={"buffer": 500}), kv_compression_base=base)
+        to_sampling_params(CompletionRequest(prompt="x", kv_compression={"buffer": 600}))
     assert e.value.param == "kv_compression.buffer" and e.value.status_code == 400
+    from compression.stage import CompressionStage
+
+    server = CompressionStage(KVCompressionConfig(method="kara", ratio=0.5, window=128, buffer=32,
+                                                  compression_period=96))
+    cfg = server.resolve({"ratio": 0.25})
+    assert (cfg.method, cfg.ratio, cfg.window, cfg.buffer, cfg.compression_period) == ("kara", 0.25, 128, 32, 96)
+    cfg = server.resolve("kara_no_chunk")
+    assert (cfg.method, cfg.window, cfg.token2chunk) == ("kara_no_chunk", 128, False)
+    assert server.resolve("none") is None and server.resolve(None).ratio == 0.5
+    cfg = CompressionStage(None).resolve({"window": 64, "buffer": 8, "compression_period": 56})
+    assert (cfg.method, cfg.window) == ("kara", 64)  # no server setting: the config defaults
+    with pytest.raises(ValueError, match=r"kv_compression\.buffer"):
+        server.resolve({"buffer": 500})

@@ -224,7 +224,7 @@ def test_engine_death_gives_error_event_then_503(tiny_server_model_dir):
                         def boom(*a, **k):
                             raise RuntimeError("simulated device failure")
 
-                        engine.runner.execute = boom
+                        engine.core.runner.execute = boom
             assert events[-1] == "[DONE]"
             err = json.loads(events[-2])["error"]
             assert err["code"] == 503 and "simulated device failure" in err["message"]

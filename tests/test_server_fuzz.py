@@ -74,7 +74,8 @@ def _app_schema() -> dict:
 
     from server.app import build_app
 
-    stub = types.SimpleNamespace(model_name="stub", max_model_len=FUZZ_MAX_MODEL_LEN, tokenizer=None)
+    stub = types.SimpleNamespace(model_name="stub", max_model_len=FUZZ_MAX_MODEL_LEN, tokenizer=None,
+                                 model_config=types.SimpleNamespace(vocab_size=49152))
     return build_app(stub).openapi()
 
 

@@ -63,10 +63,10 @@ def test_snapkv_select_and_compressor():
     cfg = KVCompressionConfig(method="threshold", threshold_max=24, threshold_target=12, observation_window=4,
                               snapkv_kernel=3)
     comp = SnapKVCompressor(cfg)
-    assert comp.should_compress(24) and not comp.should_compress(23) and comp.prefix_budget() == 8
+    assert cfg.policy == "threshold" and cfg.threshold_target - cfg.observation_window == 8
     torch.manual_seed(2)
     q, k = torch.randn(3, 4, 4, 8), torch.randn(3, 2, 24, 8)
-    kept = comp.select(q, k)
+    kept = comp.select_prefix(q, k, 8)
     assert kept.shape == (3, 2, 8)
     assert bool((kept[..., 1:] > kept[..., :-1]).all()) and int(kept.max()) < 20
     expected = snapkv_scores(q, k, 3).topk(8, dim=-1).indices.sort(-1).values

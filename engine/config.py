@@ -1,0 +1,123 @@
+"""Engine configuration: the arguments of `Engine(...)`, their parsing, and the KV-pool sizing."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from paging.kv_cache import bytes_per_block, num_blocks_for_memory
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def cpu_has_fast_bf16() -> bool:
+    """bf16 matmuls only beat fp32 on CPUs with AMX or AVX512-BF16; on plain AVX2 they are ~4x slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def parse_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """'auto' is bfloat16 on CUDA and on CPUs with fast bf16 matmuls, float32 elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        on_cuda = device is not None and device.type == "cuda"
+        return torch.bfloat16 if on_cuda or cpu_has_fast_bf16() else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def parse_memory(value: int | str) -> int:
+    """Bytes from an int or a string such as '512MiB' or '2GB'."""
+    if isinstance(value, int):
+        nbytes = value
+    else:
+        text = str(value).strip().lower().replace(" ", "")
+        num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(num):]
+        if unit not in _UNITS or not num:
+            raise ValueError(f"kv_cache_memory must be bytes or a size like '2GiB', got {value!r}")
+        nbytes = int(float(num) * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
+    return nbytes
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2"
+    dtype: str | torch.dtype = "auto"
+    device: str | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | str | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_compression: Any = None
+    attention_backend: str = "auto"
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive_int("block_size", self.block_size)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if not isinstance(self.watermark, (int, float)) or not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
+
+    def resolve_device(self) -> torch.device:
+        return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def resolve_max_model_len(self, limit: int) -> int:
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int)
+                                               or not 1 <= self.max_model_len <= limit):
+            raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {self.max_model_len!r}")
+        return self.max_model_len or limit
+
+    def resolve_num_blocks(self, model_config, dtype: torch.dtype, device: torch.device) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        c = model_config
+        if self.kv_cache_memory is not None:
+            budget = parse_memory(self.kv_cache_memory)
+        elif device.type == "cuda":
+            budget = int(torch.cuda.mem_get_info(device)[0] * 0.8)
+        else:
+            budget = 2 * 2**30
+        n = num_blocks_for_memory(budget, c.num_layers, self.block_size, c.num_kv_heads, c.head_dim, dtype)
+        if n < 1:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r} is smaller than one KV block "
+                             f"({bytes_per_block(c.num_layers, self.block_size, c.num_kv_heads, c.head_dim, dtype)} "
+                             f"bytes)")
+        return n
+
+    def fit_max_model_len(self, max_model_len: int, num_blocks: int) -> int:
+        """One request must always fit the pool, or it would preempt itself forever."""
+        kv_tokens = num_blocks * self.block_size
+        if kv_tokens >= max_model_len:
+            return max_model_len
+        if self.max_model_len is not None:
+            raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the KV cache ({kv_tokens} "
+                             f"tokens); raise num_kv_blocks / kv_cache_memory or lower max_model_len")
+        return kv_tokens

@@ -1,0 +1,261 @@
+"""EngineCore: the synchronous engine. `add_request`, `abort` and `step` are called from one thread only.
+
+One step: schedule → run the model → commit the new KV → sample and process outputs → the compression stage.
+Failures that belong to one request (its outputs, its detokenization, its stop checks) end that request with an
+error and free its blocks; the step goes on for the others.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence as Seq
+
+import torch
+
+from compression.stage import CompressionStage
+from engine.attention import get_backend
+from engine.config import EngineConfig, parse_dtype
+from engine.errors import InvalidRequestError
+from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
+from engine.outputs import EngineStats, RequestOutput
+from engine.request import Request
+from engine.sampler import apply_min_tokens, sample, token_logprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import ScoringState, Sequence
+from paging.kv_cache import KVCache
+from paging.kv_cache_manager import KVCacheManager
+
+logger = logging.getLogger("kvllm")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        from engine.loader import load_model
+
+        self.config = config
+        self.device = config.resolve_device()
+        self.dtype = parse_dtype(config.dtype, self.device)
+        self.model, self.model_config, self.tokenizer = load_model(config.model, self.dtype, self.device)
+        cfg = self.model_config
+        max_model_len = config.resolve_max_model_len(cfg.max_position_embeddings)
+        num_blocks = config.resolve_num_blocks(cfg, self.dtype, self.device)
+        self.max_model_len = config.fit_max_model_len(max_model_len, num_blocks)
+        self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                self.dtype, self.device)
+        self.kv = KVCacheManager(self.kv_cache, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                            watermark_blocks=int(config.watermark * num_blocks)), self.kv)
+        self.attn = get_backend(config.attention_backend, self.device)
+        self.runner = ModelRunner(self.model, cfg, self.kv_cache, self.attn, self.device, self.dtype)
+        self.compression = CompressionStage(config.kv_compression)
+        self.default_generator = torch.Generator().manual_seed(config.seed)
+        self.eos_token_ids = set(cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.counters = EngineStats(num_blocks=num_blocks)
+
+    # -- inputs -------------------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt: this model has no tokenizer; pass token ids", "prompt")
+            return list(self.tokenizer(prompt).input_ids)
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt: token ids must be integers in [0, {vocab})", "prompt")
+        return ids
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has {n} "
+                f"tokens, which leaves no room for completion tokens. Please reduce the length of the prompt.")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:  # apply_min_tokens indexes the logits with these on the engine thread
+            raise InvalidRequestError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[:4]}",
+                                      "stop_token_ids")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the messages, {params.max_tokens} in the completion). "
+                f"Please reduce the length of the messages or completion.")
+
+    def make_request(self, prompt: str | Seq[int], params: SamplingParams | None, request_id: str,
+                     score: tuple[int, int] | None = None) -> Request:
+        """Encode and validate once; ``score`` = (score_from, max_chunk) for teacher-forced scoring."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}",
+                                      "sampling_params")
+        ids = self.encode_prompt(prompt)
+        self.validate(ids, params)
+        try:
+            self.compression.resolve(params.kv_compression)
+        except ValueError as err:
+            raise InvalidRequestError(str(err), getattr(err, "param", "kv_compression")) from None
+        seqs = []
+        for i in range(params.n):
+            gen = torch.Generator().manual_seed(params.seed + i) if params.seed is not None else None
+            scoring = ScoringState(*score) if score is not None else None
+            seq = Sequence(request_id, ids, params, index=i, generator=gen, scoring=scoring)
+            seq.compression = self.compression.new_state(params.kv_compression, len(ids),
+                                                         score[0] if score is not None else None)
+            seqs.append(seq)
+        return Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, seqs,
+                       time.monotonic())
+
+    # -- requests -----------------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            self.fail(req, InvalidRequestError(f"request_id {req.request_id!r} is already running", "request_id"),
+                      owned=False)
+            return
+        self.requests[req.request_id] = req
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        self._emit(req)
+
+    def fail(self, req: Request, err: BaseException, owned: bool = True) -> None:
+        """End one request with an error: its sequences stop, its blocks go back, its consumer gets `err`."""
+        if owned:
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)
+            self.requests.pop(req.request_id, None)
+        req.error = err
+        if req.sink is not None:
+            try:
+                req.sink(err)
+            except Exception:  # a consumer that is gone cannot be told
+                logger.debug("could not deliver an error to %s", req.request_id, exc_info=True)
+        req.done.set()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns the outputs of requests that finished in it."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        self.counters.num_preemptions += len(out.preempted)
+        touched: dict[str, Request] = {}
+        if out:
+            result = self.runner.execute(out.scheduled)
+            self.scheduler.commit(out.scheduled)
+            for item in out.scheduled:
+                touched[item.seq.request_id] = self.requests[item.seq.request_id]
+                if item.seq.num_computed_tokens <= item.seq.num_prompt_tokens:
+                    self.counters.prompt_tokens_total += item.num_tokens
+            for seq, logps in result.scored:
+                seq.scoring.prompt_logprobs.extend(logps)
+            if result.sample_seqs:
+                self._sample_and_append(result.sample_seqs, result.logits)
+            self.counters.num_steps += 1
+            self.compression.after_step(self.scheduler.running, self.kv, self.runner.recompute_queries)
+        finished = []
+        for req in touched.values():
+            if req.error is None and self._emit(req):
+                finished.append(req.final)
+        self.counters.engine_seconds += time.perf_counter() - t0
+        return finished
+
+    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        banned = []
+        for seq in seqs:
+            p = seq.params
+            stops = p.stop_token_ids + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+            banned.append(stops if seq.num_outputs < p.min_tokens else [])
+        apply_min_tokens(logits, banned)
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.default_generator)
+        top_n = max((s.params.logprobs or 0) for s in seqs)
+        want_logprobs = any(s.params.logprobs is not None for s in seqs)
+        if want_logprobs:
+            chosen, top_vals, top_ids = token_logprobs(logits, tokens, top_n)
+            chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+        now = time.monotonic()
+        for row, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
+            req = self.requests.get(seq.request_id)
+            if req is None or req.error is not None:
+                continue
+            try:
+                seq.output_token_ids.append(token)
+                self.counters.generation_tokens_total += 1
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                if want_logprobs and seq.params.logprobs is not None:
+                    entry = {token: chosen[row]}
+                    for tid, val in zip(top_ids[row][:seq.params.logprobs], top_vals[row][:seq.params.logprobs]):
+                        entry.setdefault(tid, val)
+                    seq.logprobs.append(entry)
+                    seq.cumulative_logprob += chosen[row]
+                if self.output.append_token(seq, token):
+                    self.scheduler.finish(seq)
+            except Exception as err:  # this request's outputs are broken; the others go on
+                logger.exception("request %s failed while processing its output", seq.request_id)
+                self.fail(req, err)
+
+    def _emit(self, req: Request) -> bool:
+        """Send the request's delta to its consumer; on finish, store the final output and forget it. A consumer
+        whose sink raises is failed alone."""
+        try:
+            if req.sink is not None:
+                req.sink(self.output.request_output(req, delta=True))
+            if not req.finished:
+                return False
+            req.final = self.output.request_output(req, delta=False)
+        except Exception as err:
+            logger.exception("request %s failed while emitting its output", req.request_id)
+            self.fail(req, err)
+            return False
+        del self.requests[req.request_id]
+        req.done.set()
+        return True
+
+    # -- introspection -------------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = EngineStats(**{k: getattr(self.counters, k) for k in self.counters.__dataclass_fields__})
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.num_free_blocks = self.kv.num_free_blocks
+        s.kv_cache_usage = self.kv.pool.usage()
+        c = self.compression.stats
+        s.compression_rounds, s.compression_blocks_freed = c.rounds, c.blocks_freed
+        s.compression_tokens_evicted, s.compression_tokens_seen = c.tokens_evicted, c.tokens_seen
+        s.compression_seconds = c.seconds
+        s.prefix_cache_queries, s.prefix_cache_hits = self.kv.prefix_queries, self.kv.prefix_hits
+        return s
+
+    def check_invariants(self) -> None:
+        """KV-manager invariants (exact block counts, ref counts = table references), and no block in use once
+        every request is gone."""
+        self.kv.check_invariants(self.scheduler.running, self.scheduler.waiting)
+        if not self.requests:
+            assert not self.scheduler.has_work(), "sequences left without a request"
+            assert self.kv.num_free_blocks == self.kv.pool.num_blocks, "blocks leaked after all requests finished"
+
+    def capacity_log_lines(self) -> list[str]:
+        lines = [self.kv_cache.capacity_line(self.max_model_len)]
+        lines.extend(self.compression.capacity_lines(self.kv_cache.num_tokens, self.max_model_len))
+        lines.append(f"Prefix caching: {'on' if self.kv.enable_prefix_caching else 'off'}")
+        return lines

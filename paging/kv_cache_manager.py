@@ -1,0 +1,186 @@
+"""KVCacheManager: the only code that creates, extends, shares, compacts or frees a sequence's blocks and changes
+its KV length (vLLM v1's KVCacheManager plays the same role). The scheduler asks it for slots, the compression
+stage asks it to gather keys and apply compactions, preemption and finishing ask it to free.
+
+Prefix caching: full blocks of a prompt are keyed by (parent key, token ids) and registered in the pool once
+computed. A new (or preempted) request takes the longest cached prefix of its prompt and only prefills the rest.
+Blocks whose reference count drops to zero stay cached until an allocation evicts them (least recently freed
+first). Compaction rewrites slots in place, so it must never touch a shared or cached block: only the tokens a
+sequence's compression never rewrites (`CompressionState.protected_tokens`: the prompt, unless prompt
+compression or the threshold policy is on) are ever cached or taken from the cache.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Sequence as Seq
+
+import torch
+
+from paging.block_pool import BlockPool
+from paging.compaction import CompactionJob, blocks_to_free, compact_batch
+from paging.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from compression.stage import CompactionRequest
+    from engine.sequence import Sequence
+
+
+class KVCacheManager:
+    def __init__(self, kv_cache: KVCache, enable_prefix_caching: bool = True):
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.pool = BlockPool(kv_cache.num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._keys: dict[int, list[int]] = {}  # seq_id -> keys of its cacheable prompt blocks
+        self._registered: dict[int, int] = {}  # seq_id -> leading blocks of its table already offered to the cache
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (vLLM counts tokens)
+        self.prefix_hits = 0  # of which found cached
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def blocks_needed(self, seq: "Sequence", num_new_tokens: int) -> int:
+        need = -(-(seq.kv_len + num_new_tokens) // self.block_size)
+        return max(0, need - len(seq.block_table))
+
+    # -- prefix cache -------------------------------------------------------------------------------------
+    def _cacheable_tokens(self, seq: "Sequence") -> int:
+        if not self.enable_prefix_caching:
+            return 0
+        st = seq.compression
+        return seq.num_prompt_tokens if st is None else min(seq.num_prompt_tokens, st.protected_tokens)
+
+    def _block_keys(self, seq: "Sequence") -> list[int]:
+        keys = self._keys.get(seq.seq_id)
+        if keys is None:
+            bs, parent = self.block_size, None
+            keys = []
+            for i in range(self._cacheable_tokens(seq) // bs):
+                # Python's hash of a tuple of ints is deterministic (no per-process salt)
+                parent = hash((parent, tuple(seq.prompt_token_ids[i * bs:(i + 1) * bs])))
+                keys.append(parent)
+            self._keys[seq.seq_id] = keys
+        return keys
+
+    def find_cached_prefix(self, seq: "Sequence") -> list[int]:
+        """Blocks of the longest cached prefix of a waiting sequence's prompt. Every position whose logits are
+        needed is left to compute: the last one (the next token) and, for scoring, all from `score_from - 1`."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        need_logits_from = seq.num_tokens - 1
+        if seq.scoring is not None:  # teacher-forced scoring needs the logits of every scored position
+            need_logits_from = min(need_logits_from, seq.scoring.score_from - 1)
+        limit = max(0, need_logits_from) // self.block_size
+        blocks = []
+        for key in self._block_keys(seq)[:limit]:
+            b = self.pool.lookup(key)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    # -- slots --------------------------------------------------------------------------------------------
+    def allocate_slots(self, seq: "Sequence", num_new_tokens: int, cached: Seq[int] | None = None,
+                       watermark: int = 0) -> bool:
+        """Give `seq` blocks for `num_new_tokens` more KV slots, keeping `watermark` blocks free. ``cached`` (for a
+        waiting sequence being admitted) are the prefix blocks from `find_cached_prefix`: they are shared and
+        become its first slots. Returns False, changing nothing, if the pool cannot supply the blocks."""
+        admitting = cached is not None
+        cached = list(cached or [])
+        if cached and seq.block_table:
+            raise ValueError("cached prefix blocks can only start an empty block table")
+        cached_tokens = len(cached) * self.block_size
+        need = max(0, -(-(seq.kv_len + cached_tokens + num_new_tokens) // self.block_size)
+                   - len(seq.block_table) - len(cached))
+        # reviving unreferenced cached blocks takes them out of the free count too
+        if need + self.pool.num_evictable_in(cached) + watermark > self.pool.num_free:
+            return False
+        if admitting and self.enable_prefix_caching:
+            self.prefix_queries += seq.num_prompt_tokens
+            self.prefix_hits += cached_tokens
+        if cached:
+            self.pool.touch(cached)
+            seq.block_table.extend(cached)
+            seq.kv_len = cached_tokens
+            self._registered[seq.seq_id] = len(cached)
+        seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def commit(self, seq: "Sequence", num_tokens: int) -> None:
+        """The step wrote `num_tokens` new slots: advance the KV length and offer newly full prompt blocks to the
+        prefix cache."""
+        seq.kv_len += num_tokens
+        if not self.enable_prefix_caching:
+            return
+        keys = self._block_keys(seq)
+        done = self._registered.get(seq.seq_id, 0)
+        full = min(len(keys), seq.kv_len // self.block_size)
+        for i in range(done, full):
+            self.pool.cache(seq.block_table[i], keys[i])  # a block with the same key may already be cached
+        self._registered[seq.seq_id] = max(done, full)
+
+    def free(self, seq: "Sequence", finished: bool = True) -> None:
+        """Return every block (cached ones stay reusable). ``finished=False`` (preemption) keeps the prompt's
+        block keys for its re-admission."""
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.kv_len = 0
+        self._registered.pop(seq.seq_id, None)
+        if finished:
+            self._keys.pop(seq.seq_id, None)
+
+    # -- compression --------------------------------------------------------------------------------------
+    def gather_keys(self, seq: "Sequence", start: int, length: int) -> torch.Tensor:
+        """Keys of KV slots [start, start + length), all layers: [L, Hkv, length, D]."""
+        kv = self.kv_cache
+        bs = self.block_size
+        slots = torch.arange(start, start + length)
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        dev = kv.data.device
+        return kv.data[:, table[slots // bs].to(dev), 0, (slots % bs).to(dev)].transpose(1, 2)
+
+    def compact(self, jobs: list["CompactionRequest"]) -> list[int]:
+        """Apply compactions (one batched gather/scatter), shrink KV lengths, free whole blocks past the new ends.
+        Returns the number of blocks freed per job."""
+        if not jobs:
+            return []
+        bs = self.block_size
+        for job in jobs:
+            for b in job.seq.block_table[job.region_start // bs:]:
+                if self.pool.ref_counts[b] != 1 or self.pool.is_cached(b):
+                    raise RuntimeError(f"compaction would rewrite shared or cached block {b} of sequence "
+                                       f"{job.seq.request_id}")
+        new_lens = compact_batch(self.kv_cache.data, [
+            CompactionJob(j.seq.block_table, j.region_start, j.region_len, j.kept, j.seq.kv_len) for j in jobs],
+            check_indices=False)
+        freed_counts = []
+        for job, new_len in zip(jobs, new_lens):
+            seq = job.seq
+            freed = blocks_to_free(seq.block_table, new_len, bs)
+            if freed:
+                self.pool.free(freed)
+                del seq.block_table[len(seq.block_table) - len(freed):]
+            seq.kv_len = new_len
+            freed_counts.append(len(freed))
+        return freed_counts
+
+    # -- checks -------------------------------------------------------------------------------------------
+    def check_invariants(self, running: Seq["Sequence"], waiting: Seq["Sequence"] = ()) -> None:
+        """Pool invariants; every reference is held by exactly the tables that list the block; each running
+        sequence holds exactly ceil(kv_len / block_size) blocks; waiting sequences hold none."""
+        self.pool.check_invariants()
+        refs = Counter(b for seq in running for b in seq.block_table)
+        for b, rc in enumerate(self.pool.ref_counts):
+            assert refs.get(b, 0) == rc, f"block {b}: ref count {rc} but {refs.get(b, 0)} tables hold it"
+        for seq in running:
+            assert len(seq.block_table) == -(-seq.kv_len // self.block_size), (
+                f"{seq.request_id}: {len(seq.block_table)} blocks for kv_len {seq.kv_len}")
+            assert len(set(seq.block_table)) == len(seq.block_table), f"{seq.request_id}: a block listed twice"
+            assert seq.kv_len <= seq.num_computed_tokens
+            protected = self._cacheable_tokens(seq) // self.block_size
+            for i, b in enumerate(seq.block_table):
+                if self.pool.ref_counts[b] > 1 or self.pool.is_cached(b):
+                    assert i < protected, f"{seq.request_id}: shared or cached block {b} past its protected prefix"
+        for seq in waiting:
+            assert not seq.block_table and seq.kv_len == 0, f"waiting {seq.request_id} holds KV blocks"

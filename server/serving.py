@@ -1,0 +1,540 @@
+"""Completion and chat serving: turn a validated HTTP request into engine requests and their outputs into an
+OpenAI response, either one JSON body or a Server-Sent-Events stream.
+
+Each prompt (each of a completion's prompts) is one engine request, created with `engine.new_request` (encoded and
+validated once) before admission, then driven by `engine.stream`. The engine steps in its own thread; handlers only
+await per-request queues. A client that disconnects (streaming or not) cancels its handler, which aborts the engine
+requests and frees their blocks.
+
+Streaming: one ``data: {json}`` event per delta (the protocol's stream models), ``finish_reason`` on each choice's
+last chunk, an optional usage chunk (``stream_options.include_usage``), then ``data: [DONE]``. An error after the
+response started is sent as ``data: {"error": {...}}`` followed by ``data: [DONE]``.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, AsyncIterator, Callable, Union
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from api.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    RequestError,
+    UsageInfo,
+    clamp_logprob,
+    random_uuid,
+    to_sampling_params,
+)
+from server.errors import error_event, error_response, to_request_error
+from server.metrics import RequestTimer, ServerMetrics
+
+logger = logging.getLogger("kvllm.server")
+
+#: Seconds suggested to clients in the Retry-After header of a 503 (queue full).
+RETRY_AFTER_S = 1
+
+DONE = "data: [DONE]\n\n"
+
+
+class Admission:
+    """A request counted as waiting until its first token arrives (or it ends)."""
+
+    def __init__(self, state: "ServerState"):
+        self.state = state
+        self.active = True
+
+    def release(self) -> None:
+        if self.active:
+            self.active = False
+            self.state.pending -= 1
+
+
+class ServerState:
+    """What the handlers share: the engine, the served names, admission control, metrics, token strings."""
+
+    def __init__(self, engine: Any, served_model_names: list[str], max_queued_requests: int | None):
+        self.engine = engine
+        self.model_names = served_model_names
+        self.max_queued_requests = max_queued_requests
+        self.metrics = ServerMetrics(engine, served_model_names[0])
+        self.pending = 0  # admitted requests without a first token yet
+        self.created = int(time.time())
+        self._token_cache: dict[int, str] = {}
+        self.vocab_size = engine.model_config.vocab_size
+
+    # -- checks ---------------------------------------------------------------------------------------
+    def resolve_model(self, model: str | None) -> str:
+        if model is None:
+            return self.model_names[0]
+        if model in self.model_names:
+            return model
+        raise RequestError(f"The model `{model}` does not exist.", "model", 404)
+
+    def check_health(self) -> None:
+        if not self.engine.is_healthy():
+            raise RequestError("The engine is not running (its step loop died); see the server log.", None, 503)
+
+    def admit(self) -> Admission:
+        limit = self.max_queued_requests
+        if limit is not None:
+            waiting = max(self.pending, self.engine.stats().num_waiting)
+            if waiting >= limit:
+                self.metrics.rejections.inc()
+                raise RequestError(
+                    f"The server is overloaded: {waiting} requests are waiting "
+                    f"(max_queued_requests={limit}). Please retry later.", None, 503,
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.pending += 1
+        return Admission(self)
+
+    def new_request(self, prompt: Union[str, list[int]], params: Any, request_id: str) -> Any:
+        """Encode and validate a prompt once (engine errors become 400s naming the parameter)."""
+        try:
+            return self.engine.new_request(prompt, params, request_id)
+        except ValueError as err:
+            raise to_request_error(err) or RequestError(str(err)) from None
+
+    def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise RequestError("This model's tokenizer has no chat template; use /v1/completions.", "messages")
+        messages = [m.to_template_dict() for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs or {})
+        for reserved in ("conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+                         "return_dict", "return_tensors", "chat_template", "tools", "documents"):
+            kwargs.pop(reserved, None)
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False,
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           continue_final_message=req.continue_final_message, **kwargs)
+        except Exception as err:
+            raise RequestError(f"Could not apply the chat template: {err}", "messages") from None
+        if not isinstance(text, str):
+            raise RequestError("The chat template did not produce a prompt string.", "messages")
+        try:
+            ids = list(tok(text, add_special_tokens=False).input_ids)
+        except Exception as err:
+            raise RequestError(f"Could not tokenize the chat prompt: {err}", "messages") from None
+        if not ids:
+            raise RequestError("The chat prompt is empty.", "messages")
+        return ids
+
+    # -- logprobs -------------------------------------------------------------------------------------
+    def token_str(self, token_id: int) -> str:
+        s = self._token_cache.get(token_id)
+        if s is None:
+            tok = self.engine.tokenizer
+            s = tok.decode([token_id]) if tok is not None else str(token_id)
+            if len(self._token_cache) < 200_000:
+                self._token_cache[token_id] = s
+        return s
+
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                            offset: int) -> tuple[CompletionLogProbs | None, int]:
+        if logprobs is None:
+            return None, offset
+        out = CompletionLogProbs()
+        for tid, entry in zip(token_ids, logprobs):
+            s = self.token_str(tid)
+            out.tokens.append(s)
+            out.token_logprobs.append(clamp_logprob(entry.get(tid, float("-inf"))))
+            out.top_logprobs.append({self.token_str(t): clamp_logprob(v) for t, v in
+                                     sorted(entry.items(), key=lambda kv: -kv[1])})
+            out.text_offset.append(offset)
+            offset += len(s)
+        return out, offset
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                      top_n: int) -> ChatChoiceLogprobs | None:
+        if logprobs is None:
+            return None
+        content = []
+        for tid, entry in zip(token_ids, logprobs):
+            s = self.token_str(tid)
+            tops = [ChatTopLogprob(token=self.token_str(t), logprob=clamp_logprob(v),
+                                   bytes=list(self.token_str(t).encode("utf-8")))
+                    for t, v in sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]]
+            content.append(ChatTokenLogprob(token=s, logprob=clamp_logprob(entry.get(tid, float("-inf"))),
+                                            bytes=list(s.encode("utf-8")), top_logprobs=tops))
+        return ChatChoiceLogprobs(content=content)
+
+
+class Gen:
+    """One engine request (one prompt of an HTTP request) streamed through `engine.stream`."""
+
+    def __init__(self, state: ServerState, prompt_index: int, request: Any, admission: Admission,
+                 prompt_text: str | None = None):
+        self.state = state
+        self.prompt_index = prompt_index
+        self.request = request
+        self.admission = admission
+        self.prompt_text = prompt_text  # echoed before the completion
+        self.timer = RequestTimer(state.metrics)
+        self.finished = False
+        self._agen = None
+        self._first: asyncio.Future | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    async def start(self) -> None:
+        """Submit to the engine; a rejection there raises before any output is awaited."""
+        self._agen = self.state.engine.stream(self.request)
+        self._first = asyncio.ensure_future(self._agen.__anext__())
+        await asyncio.sleep(0)  # the engine's generator runs up to its first suspension (request submitted)
+        if self._first.done() and not self._first.cancelled() and self._first.exception() is not None:
+            exc = self._first.exception()
+            self.finished = True
+            raise to_request_error(exc) or exc
+
+    async def outputs(self) -> AsyncIterator[Any]:
+        assert self._agen is not None and self._first is not None
+        try:
+            out = await self._first
+        except StopAsyncIteration:
+            self.finished = True
+            return
+        while True:
+            self._observe(out)
+            yield out
+            if out.finished:
+                self.finished = True
+                return
+            try:
+                out = await self._agen.__anext__()
+            except StopAsyncIteration:
+                self.finished = True
+                return
+
+    def _observe(self, out: Any) -> None:
+        new = max((len(o.token_ids) for o in out.outputs), default=0)
+        if self.timer.on_delta(new):
+            self.admission.release()
+        if out.finished:
+            self.admission.release()
+            self.timer.on_finish(self.num_prompt_tokens, [o.finish_reason for o in out.outputs])
+
+    async def close(self) -> None:
+        """Abort the engine request unless it finished; safe to call more than once."""
+        if not self.finished and self._agen is not None:
+            self.state.engine.abort(self.request.request_id)
+            self.state.metrics.request_finished("abort")
+        self.finished = True
+        if self._first is not None and not self._first.done():
+            self._first.cancel()
+            with contextlib.suppress(BaseException):
+                await self._first
+        if self._agen is not None:
+            with contextlib.suppress(BaseException):
+                await self._agen.aclose()
+            self._agen = None
+
+
+async def _iterate(gens: list[Gen]) -> AsyncIterator[tuple[Gen, Any]]:
+    """Delta outputs of several engine requests as they arrive."""
+    if len(gens) == 1:
+        async for out in gens[0].outputs():
+            yield gens[0], out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(g: Gen) -> None:
+        try:
+            async for out in g.outputs():
+                queue.put_nowait((g, out, None))
+            queue.put_nowait((g, None, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # handed to the consumer
+            queue.put_nowait((g, None, err))
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in gens]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            g, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                remaining -= 1
+                continue
+            yield g, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Choice:
+    """Accumulates one choice of a non-streaming response."""
+
+    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "stop_reason")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: Any = None
+
+    def add(self, o: Any) -> None:
+        self.text.append(o.text)
+        self.token_ids.extend(o.token_ids)
+        if o.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(o.logprobs)
+        if o.finish_reason is not None:
+            self.finish_reason = o.finish_reason
+            self.stop_reason = o.stop_reason
+
+
+def _usage(gens: list[Gen], completion_tokens: int) -> UsageInfo:
+    prompt_tokens = sum(g.num_prompt_tokens for g in gens)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def _sse(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+# ------------------------------------------------------------------------------------------- shared driving
+class _Serving:
+    """The parts completions and chat share: start the engine requests, then collect one body or stream chunks.
+    Subclasses say how a choice and a chunk look."""
+
+    def __init__(self, state: ServerState, body: Any, model: str, rid: str, gens: list[Gen], admission: Admission):
+        self.state, self.body, self.model, self.rid = state, body, model, rid
+        self.gens, self.admission = gens, admission
+        self.created = int(time.time())
+
+    def choice_index(self, g: Gen, o: Any) -> int:
+        return g.prompt_index * self.body.n + o.index
+
+    async def respond(self, raw: Request) -> Response:
+        """Submit every generator (on any failure: abort those started, release the admission, re-raise), then
+        answer as an SSE stream or as one JSON body; both abort the requests if the client goes away."""
+        try:
+            for g in self.gens:
+                await g.start()
+        except BaseException:
+            await self.close()
+            raise
+        if self.body.stream:
+            return _SSEResponse(self.stream(), self.close)
+        return await _until_disconnect(raw, self.full(), self.close)
+
+    async def close(self) -> None:
+        for g in self.gens:
+            await g.close()
+        self.admission.release()
+
+    async def full(self) -> Response:
+        choices: dict[int, tuple[Gen, _Choice]] = {}
+        try:
+            async with contextlib.aclosing(_iterate(self.gens)) as it:
+                async for g, out in it:
+                    for o in out.outputs:
+                        choices.setdefault(self.choice_index(g, o), (g, _Choice()))[1].add(o)
+        except Exception as err:
+            mapped = to_request_error(err)
+            if mapped is not None:
+                return error_response(mapped.status_code, mapped.message, mapped.param, mapped.err_type)
+            logger.exception("generation failed")
+            return error_response(500, f"Internal server error: {type(err).__name__}: {err}")
+        finally:
+            await self.close()
+        items = [(idx, *choices[idx]) for idx in sorted(choices)]
+        usage = _usage(self.gens, sum(len(c.token_ids) for _, _, c in items))
+        return JSONResponse(self.response(items, usage).model_dump(mode="json"))
+
+    async def stream(self) -> AsyncIterator[str]:
+        opts = self.body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        completion_tokens = 0
+        try:
+            async with contextlib.aclosing(_iterate(self.gens)) as it:
+                async for g, out in it:
+                    for o in out.outputs:
+                        if not (o.text or o.token_ids or o.finish_reason):
+                            continue
+                        completion_tokens += len(o.token_ids)
+                        usage = _usage(self.gens, completion_tokens) if continuous else None
+                        yield _sse(self.chunk(g, o, usage))
+            if include_usage:
+                yield _sse(self.chunk(None, None, _usage(self.gens, completion_tokens)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            logger.warning("error during a stream: %r", err)
+            yield error_event(err)
+        finally:
+            await self.close()
+        yield DONE
+
+    def response(self, items: list[tuple[int, Gen, _Choice]], usage: UsageInfo) -> BaseModel:
+        raise NotImplementedError
+
+    def chunk(self, g: Gen | None, o: Any, usage: UsageInfo | None) -> BaseModel:
+        """The stream chunk of one delta; with g None, the final usage-only chunk."""
+        raise NotImplementedError
+
+
+class CompletionServing(_Serving):
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self._offsets: dict[int, int] = {}  # text offset of each choice's logprobs
+        self._echoed: set[int] = set()
+
+    def response(self, items, usage) -> CompletionResponse:
+        choices = []
+        for idx, g, c in items:
+            prefix = g.prompt_text or ""
+            lp, _ = self.state.completion_logprobs(c.token_ids, c.logprobs, len(prefix))
+            choices.append(CompletionResponseChoice(index=idx, text=prefix + "".join(c.text), logprobs=lp,
+                                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return CompletionResponse(id=self.rid, model=self.model, choices=choices, usage=usage)
+
+    def chunk(self, g, o, usage) -> CompletionStreamResponse:
+        if g is None:
+            return CompletionStreamResponse(id=self.rid, created=self.created, model=self.model, choices=[],
+                                            usage=usage)
+        idx = self.choice_index(g, o)
+        text = o.text
+        if g.prompt_text is not None and idx not in self._echoed:
+            self._echoed.add(idx)
+            text = g.prompt_text + text
+            self._offsets[idx] = len(g.prompt_text)
+        lp, self._offsets[idx] = self.state.completion_logprobs(o.token_ids, o.logprobs, self._offsets.get(idx, 0))
+        choice = CompletionResponseStreamChoice(index=idx, text=text, logprobs=lp, finish_reason=o.finish_reason,
+                                                stop_reason=o.stop_reason)
+        return CompletionStreamResponse(id=self.rid, created=self.created, model=self.model, choices=[choice],
+                                        usage=usage)
+
+
+class ChatServing(_Serving):
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self._started: set[int] = set()
+        self._top_n = self.body.top_logprobs or 0
+
+    def response(self, items, usage) -> ChatCompletionResponse:
+        choices = [ChatCompletionResponseChoice(
+            index=idx, message=ChatResponseMessage(role="assistant", content="".join(c.text)),
+            logprobs=self.state.chat_logprobs(c.token_ids, c.logprobs, self._top_n), finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason) for idx, _, c in items]
+        return ChatCompletionResponse(id=self.rid, model=self.model, choices=choices, usage=usage)
+
+    def chunk(self, g, o, usage) -> ChatCompletionStreamResponse:
+        if g is None:
+            return ChatCompletionStreamResponse(id=self.rid, created=self.created, model=self.model, choices=[],
+                                                usage=usage)
+        delta = DeltaMessage(content=o.text)
+        if o.index not in self._started:  # the role travels with the first content (no fake early TTFT)
+            self._started.add(o.index)
+            delta.role = "assistant"
+        choice = ChatCompletionResponseStreamChoice(
+            index=o.index, delta=delta, logprobs=self.state.chat_logprobs(o.token_ids, o.logprobs, self._top_n),
+            finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+        return ChatCompletionStreamResponse(id=self.rid, created=self.created, model=self.model, choices=[choice],
+                                            usage=usage)
+
+
+# ------------------------------------------------------------------------------------------- entry points
+def _log_ignored(body: Any) -> None:
+    ignored = body.ignored_fields()
+    if ignored:
+        logger.warning("The following fields were present in the request but ignored: %s", ignored)
+
+
+async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
+    _log_ignored(body)
+    model = state.resolve_model(body.model)
+    state.check_health()
+    params = to_sampling_params(body, vocab_size=state.vocab_size)
+    rid = f"cmpl-{random_uuid()}"
+    reqs = [state.new_request(p, params, f"{rid}-{i}") for i, p in enumerate(body.prompts())]
+    tok = state.engine.tokenizer
+    echoed = [(p if isinstance(p, str) else tok.decode(r.prompt_token_ids) if tok is not None else "")
+              if body.echo else None for p, r in zip(body.prompts(), reqs)]
+    admission = state.admit()
+    gens = [Gen(state, i, r, admission, text) for i, (r, text) in enumerate(zip(reqs, echoed))]
+    return await CompletionServing(state, body, model, rid, gens, admission).respond(raw)
+
+
+async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
+    _log_ignored(body)
+    model = state.resolve_model(body.model)
+    state.check_health()
+    params = to_sampling_params(body, vocab_size=state.vocab_size)
+    rid = f"chatcmpl-{random_uuid()}"
+    req = state.new_request(state.chat_prompt_ids(body), params, rid)
+    admission = state.admit()
+    gens = [Gen(state, 0, req, admission)]
+    return await ChatServing(state, body, model, rid, gens, admission).respond(raw)
+
+
+# ------------------------------------------------------------------------------------------- transport
+class _SSEResponse(StreamingResponse):
+    """A text/event-stream response whose cleanup runs even if the body iterator never started (a client
+    that disconnects before the first chunk must still abort its engine requests)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
+            return
+
+
+async def _until_disconnect(raw: Request, coro, cleanup) -> Response:
+    """Run a non-streaming handler body; if the client disconnects first, cancel it (aborting the request).
+    `cleanup` (idempotent) runs on every path, also when the body was cancelled before it started."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        logger.info("client disconnected; request aborted")
+        return error_response(400, "Client disconnected.")
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+        await cleanup()
