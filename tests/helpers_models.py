@@ -124,13 +124,15 @@ def new_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads
     return list(kv.unbind(0))
 
 
-def tiny_hf_config(arch: str):
-    """A tiny GQA config (4 q heads / 2 kv heads, head_dim 16) for 'llama', 'qwen2' or 'qwen3'."""
+def tiny_hf_config(arch: str, **overrides):
+    """A tiny GQA config (4 q heads / 2 kv heads, head_dim 16) for 'llama', 'qwen2' or 'qwen3'; `overrides`
+    replace any of the shared fields (e.g. num_key_value_heads=1)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                   num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=256, bos_token_id=1,
                   eos_token_id=2, pad_token_id=0)
+    common.update(overrides)
     if arch == "llama":
         # Llama 3 style RoPE scaling so the "llama3" path is exercised.
         return LlamaConfig(num_hidden_layers=3, tie_word_embeddings=False, rope_theta=50000.0,
@@ -146,13 +148,14 @@ def tiny_hf_config(arch: str):
     raise ValueError(arch)
 
 
-def make_tiny_hf_model(arch: str, path: Path, seed: int = 0, max_shard_size=None):
+def make_tiny_hf_model(arch: str, path: Path, seed: int = 0, max_shard_size=None, config_overrides=None):
     """Random tiny HF causal LM saved with save_pretrained (safetensors) to `path`; returns the HF model (fp32,
-    eager attention, eval mode). Qwen2 gets nonzero q/k/v biases, every norm a non-trivial weight."""
+    eager attention, eval mode). Qwen2 gets nonzero q/k/v biases, every norm a non-trivial weight.
+    `config_overrides` go to tiny_hf_config."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = tiny_hf_config(arch)
+    config = tiny_hf_config(arch, **(config_overrides or {}))
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

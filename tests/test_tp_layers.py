@@ -319,3 +319,16 @@ def test_model_construction_names_the_setting():
             DecoderLM(config, TPGroup(rank=1, size=2))
     with pytest.raises(ValueError, match="rank"):
         TPGroup(rank=2, size=2)
+
+
+def test_kv_cache_sizing_uses_the_local_kv_heads():
+    from engine.distributed.kv import local_kv_heads, rank_num_blocks
+    from engine.models import ModelConfig
+    from helpers_models import tiny_hf_config
+    from paging.kv_cache import bytes_per_block
+
+    config = ModelConfig.from_hf(tiny_hf_config("llama", num_attention_heads=8, num_key_value_heads=4))
+    mem = 10 * bytes_per_block(config.num_layers, 4, config.num_kv_heads, config.head_dim, torch.float32)
+    assert [local_kv_heads(config, TPGroup(0, n)) for n in (1, 2, 4, 8)] == [4, 2, 1, 1]
+    # the same memory holds tp times more blocks of 1/tp of the heads, until KV heads are replicated
+    assert [rank_num_blocks(mem, config, 4, torch.float32, TPGroup(0, n)) for n in (1, 2, 4, 8)] == [10, 20, 40, 40]

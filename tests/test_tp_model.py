@@ -9,6 +9,7 @@ The slow test runs the real SmolLM2 (9 q / 3 KV heads) at TP=3: greedy tokens eq
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,9 @@ from engine.loader import load_model
 from helpers_models import Runner, TPRunner, make_tiny_hf_model
 
 ARCHS = ["llama", "qwen2", "qwen3"]
+# one KV head (MQA) at TP=2: the KV head is replicated, each rank stores it and keeps 2 of the 4 query heads
+REPLICATED = "llama-1kv"
+CASES = ARCHS + [REPLICATED]
 TP = 2
 TOL = 1e-4
 DECODE_STEPS = 16
@@ -62,7 +66,7 @@ def _load_shard(path: str, config, tp: TPGroup):
     from engine.loader import _empty_model, _safetensors_files
 
     model = _empty_model(config, torch.float32, torch.device("cpu"), tp)
-    for file in _safetensors_files(__import__("pathlib").Path(path)):
+    for file in _safetensors_files(Path(path)):
         model.load_hf_weights(load_file(file).items())
     return model
 
@@ -84,9 +88,10 @@ def model_job(tp: TPGroup, cases: dict, t_spawn: float) -> dict:
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     cases = {}
-    for i, arch in enumerate(ARCHS):
+    for i, arch in enumerate(CASES):
         path = tmp_path_factory.mktemp(f"tp-{arch}")
-        make_tiny_hf_model(arch, path, seed=10 + i)
+        make_tiny_hf_model(arch.split("-")[0], path, seed=10 + i,
+                           config_overrides={"num_key_value_heads": 1} if arch == REPLICATED else None)
         model, config, _ = load_model(str(path), torch.float32, "cpu")
         cases[arch] = (str(path), config, *make_inputs(seed=20 + i), model)
     return cases
@@ -97,7 +102,7 @@ def tp2(tiny_models):
     t0 = time.perf_counter()
     results = run_ranks(model_job, TP, args=({a: c[:4] for a, c in tiny_models.items()}, time.time()),
                         timeout_s=180)
-    print(f"\n2-rank model job ({len(ARCHS)} architectures): {time.perf_counter() - t0:.1f} s; ranks up after "
+    print(f"\n2-rank model job ({len(CASES)} models): {time.perf_counter() - t0:.1f} s; ranks up after "
           f"{max(r['started_after_s'] for r in results):.1f} s, ran {max(r['run_s'] for r in results):.1f} s")
     return results
 
@@ -107,7 +112,7 @@ def _max_diff(a, b) -> float:
     return (a - b).abs().max().item()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", CASES)
 def test_tp2_logits_equal_tp1_prefill_and_16_decode_steps(tiny_models, tp2, arch):
     path, config, prompts, decode, model = tiny_models[arch]
     run = Runner(model, config, seed=1)
@@ -122,13 +127,15 @@ def test_tp2_logits_equal_tp1_prefill_and_16_decode_steps(tiny_models, tp2, arch
     assert len(diffs) == 3 * (1 + DECODE_STEPS) and max(diffs) <= TOL
 
     # each rank: its query heads of the recomputed queries, its KV heads of the cache (same block ids)
-    hq, hkv = config.num_q_heads // TP, config.num_kv_heads // TP
+    hq = config.num_q_heads // TP
+    hkv = max(config.num_kv_heads // TP, 1)
     ref_kv = torch.stack(run.caches)
     for rank in range(TP):
         r = tp2[rank][arch]
         assert r["heads"] == (hq, hkv)
         q_diff = _max_diff(r["queries"], ref_q[:, :, rank * hq:(rank + 1) * hq])
-        kv_ref = ref_kv[..., rank * hkv:(rank + 1) * hkv, :]
+        kv0 = rank * hkv if config.num_kv_heads >= TP else rank * config.num_kv_heads // TP
+        kv_ref = ref_kv[..., kv0:kv0 + hkv, :]
         assert torch.equal(r["kv"].isnan(), kv_ref.isnan())  # exactly the same slots written
         kv_diff = (r["kv"] - kv_ref).nan_to_num().abs().max().item()
         print(f"{arch} rank {rank}: queries diff {q_diff:.1e}, KV diff {kv_diff:.1e}")
