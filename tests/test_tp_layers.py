@@ -241,6 +241,23 @@ def test_failing_rank_is_reported_and_the_others_stopped():
     assert time.perf_counter() - t0 < 30  # not the 60 s group timeout: rank 0 was killed, not waited for
 
 
+def _hangs(tp: TPGroup) -> None:
+    import time
+
+    time.sleep(3600)
+
+
+def test_timeout_kills_every_rank():
+    import multiprocessing
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="did not finish within 3 s"):
+        run_ranks(_hangs, TP, timeout_s=3)
+    assert time.perf_counter() - t0 < 15
+    assert multiprocessing.active_children() == []
+
+
 # ---- tp = 1: the unsharded modules, no collective ------------------------------------------------------------
 @pytest.fixture
 def no_collectives(monkeypatch):

@@ -5,8 +5,9 @@ AttentionBackend only. RoPE uses the logical positions, which may exceed the KV 
 
 Tensor parallelism (Megatron-style, see engine/distributed/layers.py): with a TPGroup of size N each rank holds
 num_q_heads/N query heads and num_kv_heads/N KV heads (one replicated KV head when N > num_kv_heads; its KV
-cache has only those), a slice of the MLP and of the vocabulary; norms and RoPE are replicated. Two all-reduces per layer (o_proj, down_proj) and one for the
-embedding; logits are gathered to rank 0. With the default NO_TP the model is the plain unsharded one.
+cache has only those), a slice of the MLP and of the vocabulary; norms and RoPE are replicated. Two
+all-reduces per layer (o_proj, down_proj) and one for the embedding; logits are gathered to rank 0. With the
+default NO_TP the model is the plain unsharded one.
 """
 from __future__ import annotations
 
