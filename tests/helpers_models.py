@@ -68,6 +68,54 @@ class Runner:
         return self.model.recompute_queries(ids, pos, self.caches, self.attn, meta)
 
 
+class TPRunner(Runner):
+    """Runner for one tensor-parallel rank of a sharded DecoderLM. Only rank 0 owns the page table; each step
+    it broadcasts the plan (ids, positions, block tables, q/kv lengths) over the CPU group, every rank builds the
+    same metadata from it and runs its shard over its own KV cache, which holds only its KV heads (the same
+    block ids on every rank). Workers call step()/queries() with no arguments."""
+
+    def __init__(self, model, config, tp, seed=0, block_size=4, num_blocks=96, dtype=torch.float32):
+        from engine.distributed.kv import common_num_blocks
+
+        self.model, self.config, self.tp = model, config, tp
+        num_blocks = common_num_blocks(num_blocks, tp)
+        self.pages = PageTable(num_blocks, block_size, seed=seed) if tp.rank == 0 else None
+        self.block_size = block_size
+        self.caches = new_kv_cache(config.num_layers, num_blocks, block_size, model.num_local_kv_heads,
+                                   config.head_dim, dtype)
+        self.attn = TorchPagedBackend()
+
+    def _inputs(self, chunks, positions, write):
+        from engine.distributed.comm import broadcast_object
+
+        plan = None
+        if self.tp.rank == 0:
+            meta = self.pages.step({s: len(t) for s, t in chunks.items()}, write=write)
+            plan = dict(ids=[t for s in chunks for t in chunks[s]], pos=[p for s in chunks for p in positions[s]],
+                        tables=meta.block_tables, q_lens=meta.q_lens, kv_lens=meta.kv_lens, write=write,
+                        seqs=list(chunks))
+        plan = broadcast_object(plan, self.tp)
+        meta = build_metadata(plan["tables"], plan["q_lens"], plan["kv_lens"], self.block_size, write=plan["write"])
+        self.attn.plan(meta, self.model.num_local_q_heads, self.model.num_local_kv_heads, self.config.head_dim,
+                       self.caches[0].dtype)
+        return torch.tensor(plan["ids"]), torch.tensor(plan["pos"]), meta, plan
+
+    def step(self, chunks=None, positions=None):
+        """Rank 0: each sequence's logits [len(chunk), V]; other ranks: None."""
+        with torch.inference_mode():
+            ids, pos, meta, plan = self._inputs(chunks, positions, write=True)
+            logits = self.model.compute_logits(self.model(ids, pos, self.caches, self.attn, meta))
+        if logits is None:
+            return None
+        return dict(zip(plan["seqs"], logits.split(plan["q_lens"])))
+
+    def queries(self, chunks=None, positions=None) -> torch.Tensor:
+        """This rank's query heads [L, T, Hq / tp, D]."""
+        with torch.inference_mode():
+            ids, pos, meta, _ = self._inputs(chunks, positions, write=False)
+            return self.model.recompute_queries(ids, pos, self.caches, self.attn, meta)
+
+
 def new_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype=torch.float32, device="cpu") -> list[torch.Tensor]:
     """Per-layer NHD page tensors [num_blocks, 2, block_size, Hkv, D], views of one tensor like KVCache."""
@@ -76,13 +124,15 @@ def new_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads
     return list(kv.unbind(0))
 
 
-def tiny_hf_config(arch: str):
-    """A tiny GQA config (4 q heads / 2 kv heads, head_dim 16) for 'llama', 'qwen2' or 'qwen3'."""
+def tiny_hf_config(arch: str, **overrides):
+    """A tiny GQA config (4 q heads / 2 kv heads, head_dim 16) for 'llama', 'qwen2' or 'qwen3'; `overrides`
+    replace any of the shared fields (e.g. num_key_value_heads=1)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                   num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=256, bos_token_id=1,
                   eos_token_id=2, pad_token_id=0)
+    common.update(overrides)
     if arch == "llama":
         # Llama 3 style RoPE scaling so the "llama3" path is exercised.
         return LlamaConfig(num_hidden_layers=3, tie_word_embeddings=False, rope_theta=50000.0,
@@ -98,13 +148,14 @@ def tiny_hf_config(arch: str):
     raise ValueError(arch)
 
 
-def make_tiny_hf_model(arch: str, path: Path, seed: int = 0, max_shard_size=None):
+def make_tiny_hf_model(arch: str, path: Path, seed: int = 0, max_shard_size=None, config_overrides=None):
     """Random tiny HF causal LM saved with save_pretrained (safetensors) to `path`; returns the HF model (fp32,
-    eager attention, eval mode). Qwen2 gets nonzero q/k/v biases, every norm a non-trivial weight."""
+    eager attention, eval mode). Qwen2 gets nonzero q/k/v biases, every norm a non-trivial weight.
+    `config_overrides` go to tiny_hf_config."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = tiny_hf_config(arch)
+    config = tiny_hf_config(arch, **(config_overrides or {}))
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -2,6 +2,12 @@
 
 Tokens of all sequences are flattened ([T] ids, [T] logical positions); attention goes through the
 AttentionBackend only. RoPE uses the logical positions, which may exceed the KV slots after compression.
+
+Tensor parallelism (Megatron-style, see engine/distributed/layers.py): with a TPGroup of size N each rank holds
+num_q_heads/N query heads and num_kv_heads/N KV heads (one replicated KV head when N > num_kv_heads; its KV
+cache has only those), a slice of the MLP and of the vocabulary; norms and RoPE are replicated. Two
+all-reduces per layer (o_proj, down_proj) and one for the embedding; logits are gathered to rank 0. With the
+default NO_TP the model is the plain unsharded one.
 """
 from __future__ import annotations
 
@@ -13,6 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.distributed.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                                       RowParallelLinear, VocabParallelEmbedding, head_partition,
+                                       vocab_parallel_logits)
+from engine.distributed.parallel_state import NO_TP, TPGroup
 from engine.models.config import ModelConfig
 
 
@@ -74,13 +84,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    """Self-attention over this rank's heads (all heads when unsharded)."""
+
+    def __init__(self, c: ModelConfig, tp: TPGroup = NO_TP) -> None:
         super().__init__()
-        self.num_q_heads, self.num_kv_heads, self.head_dim = c.num_q_heads, c.num_kv_heads, c.head_dim
-        self.q_size, self.kv_size = c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.qkv_proj = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_q_heads, c.num_kv_heads,
+                                          c.attention_bias, tp)
+        self.num_q_heads, self.num_kv_heads = self.qkv_proj.num_local_q_heads, self.qkv_proj.num_local_kv_heads
+        self.head_dim = c.head_dim
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.scale = c.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.o_proj_bias)
+        self.o_proj = RowParallelLinear(c.num_q_heads * c.head_dim, c.hidden_size, c.o_proj_bias, tp,
+                                        what="num_q_heads * head_dim")
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
@@ -106,10 +121,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, tp: TPGroup = NO_TP) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(c.hidden_size, [c.intermediate_size] * 2, c.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, c.mlp_bias, tp,
+                                           what="intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -117,12 +133,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, tp: TPGroup = NO_TP) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, tp)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = MLP(c, tp)
 
     def forward(self, h, cos, sin, kv_cache, attn, meta) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, attn, meta)
@@ -137,16 +153,20 @@ PACKED_MODULES = {
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = NO_TP) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # tied: the LM head is embed_tokens.weight
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                          bias=False)
+        # tied: the LM head is embed_tokens.weight (the same vocabulary rows on every rank)
+        self.lm_head = None if config.tie_word_embeddings else ParallelLMHead(config.hidden_size, config.vocab_size,
+                                                                              tp)
         self.rotary = Rotary(config)
+        # heads of this rank: what the attention backend plans with and the KV cache stores
+        self.num_local_q_heads, self.num_local_kv_heads = head_partition(config.num_q_heads, config.num_kv_heads,
+                                                                         tp.size)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -160,17 +180,20 @@ class DecoderLM(nn.Module):
         return self.norm(h)
 
     @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, all_ranks: bool = False) -> torch.Tensor | None:
+        """float32 logits [T, vocab]. Under TP every rank must call it; rank 0 gets the logits, the others None
+        (or every rank, with all_ranks)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.tp, all_ranks)
 
     @torch.no_grad()
     def recompute_queries(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                           attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         """Post-RoPE queries [L, T, Hq, D] of tokens whose K/V are already cached (meta built with write=False).
-        Nothing is written; K/V are not projected; the last layer stops after its queries."""
+        Nothing is written; K/V are not projected; the last layer stops after its queries. Under TP: this rank's
+        query heads (Hq = num_local_q_heads), every rank must call it."""
         c = self.config
-        out = torch.empty(c.num_layers, input_ids.shape[0], c.num_q_heads, c.head_dim,
+        out = torch.empty(c.num_layers, input_ids.shape[0], self.num_local_q_heads, c.head_dim,
                           dtype=self.embed_tokens.weight.dtype, device=input_ids.device)
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
@@ -184,18 +207,14 @@ class DecoderLM(nn.Module):
         return out
 
     # ---- weights -------------------------------------------------------------------------------------------
-    def _shard_rows(self, target: str, shard: int) -> tuple[int, int]:
-        c = self.config
-        if target == "qkv_proj":
-            q, kv = c.num_q_heads * c.head_dim, c.num_kv_heads * c.head_dim
-            return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
-        return (shard * c.intermediate_size, (shard + 1) * c.intermediate_size)
-
     @torch.no_grad()
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (model.layers.N.self_attn.q_proj.weight, ..., lm_head.weight) into the fused
-        parameters, casting to their dtype/device. Raises ValueError on unknown, missing or misshaped weights."""
+        parameters, casting to their dtype/device. Under TP each rank reads the full tensors and keeps its slice
+        (the parallel layers' load_hf_weight). Raises ValueError on unknown, missing or misshaped weights
+        (shapes are checked against the full, unsharded ones)."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         needed = set()
         for name in params:
             target = name.split(".")[-2]
@@ -213,13 +232,16 @@ class DecoderLM(nn.Module):
                 name = ".".join(parts[:-2] + [target, parts[-1]])
             if name not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for {self.config.architecture}")
-            dest = params[name].data
-            if shard is not None:
-                lo, hi = self._shard_rows(target, shard)
-                dest = dest[lo:hi]
-            if dest.shape != tensor.shape:
-                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            module_name, attr = name.rpartition(".")[::2]
+            load_shard = getattr(modules[module_name], "load_hf_weight", None)
+            if load_shard is not None:  # a parallel layer: checks the full shape, copies this rank's slice
+                load_shard(attr, tensor, shard, hf_name)
+            else:  # replicated (norms)
+                dest = params[name].data
+                if dest.shape != tensor.shape:
+                    raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected "
+                                     f"{tuple(dest.shape)}")
+                dest.copy_(tensor)
             loaded.add((name, shard))
         missing = sorted(f"{n}" + ("" if s is None else f"[shard {s}]") for n, s in needed - loaded)
         if missing:
