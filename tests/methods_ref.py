@@ -73,3 +73,48 @@ def check_kept(kept: torch.Tensor, L: int, H: int, k: int, n: int) -> None:
         assert int(kept.min()) >= 0 and int(kept.max()) < n
         if k > 1:
             assert bool((kept[..., 1:] > kept[..., :-1]).all())
+
+
+def ref_kara(q, k, n):
+    """Kara eq. 3: every window query attends the region keys (bidirectional), probabilities summed over the
+    queries and the GQA group. float64 [L, Hkv, n]."""
+    L, hq, w, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    out = torch.zeros(L, hkv, n, dtype=torch.float64)
+    for l in range(L):
+        for h in range(hq):
+            for i in range(w):
+                p = softmax([dot(q[l, h, i], k[l, h // g, j]) / math.sqrt(d) for j in range(n)])
+                for j in range(n):
+                    out[l, h // g, j] += p[j]
+    return out
+
+
+def ref_causal_sums(q, k, first_pos, num_scored, per_group_mean=False):
+    """Sum over the queries (slot first_pos + i sees keys [0, first_pos + i]) of the softmax probabilities,
+    summed (or averaged) over each GQA group: float64 [L, Hkv, num_scored]."""
+    L, hq, w, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    out = torch.zeros(L, hkv, num_scored, dtype=torch.float64)
+    for l in range(L):
+        for h in range(hq):
+            for i in range(w):
+                vis = first_pos + i + 1
+                p = softmax([dot(q[l, h, i], k[l, h // g, j]) / math.sqrt(d) for j in range(vis)])
+                for j in range(min(num_scored, vis)):
+                    out[l, h // g, j] += p[j] / (g if per_group_mean else 1)
+    return out
+
+
+def ref_snapkv_window(q, k, n, obs, kernel, pooling):
+    w = k.shape[2]
+    P = w - obs
+    sums = ref_causal_sums(q[:, :, P:], k, P, P, per_group_mean=True)
+    pool = avg_pool if pooling == "avg" else max_pool
+    out = torch.zeros(k.shape[0], k.shape[1], n, dtype=torch.float64)
+    for l in range(k.shape[0]):
+        for h in range(k.shape[1]):
+            out[l, h] = torch.tensor(pool(sums[l, h].tolist(), kernel)[:n], dtype=torch.float64)
+    return out

@@ -11,7 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import compression.baselines as bl
-from methods_ref import assert_selects, avg_pool, check_kept, dot, max_pool, norm, ref_topk, softmax
+from methods_ref import (
+    assert_selects,
+    check_kept,
+    dot,
+    norm,
+    ref_causal_sums,
+    ref_snapkv_window,
+    ref_topk,
+    softmax,
+)
 
 
 def rand_qk(L, hkv, g, w, d, seed, T=None):
@@ -22,35 +31,6 @@ def rand_qk(L, hkv, g, w, d, seed, T=None):
 
 
 # ----------------------------------------------------------------------------- references
-def ref_causal_sums(q, k, first_pos, num_scored, per_group_mean=False):
-    """Sum over the queries (slot first_pos + i sees keys [0, first_pos + i]) of the softmax probabilities,
-    summed (or averaged) over each GQA group: float64 [L, Hkv, num_scored]."""
-    L, hq, w, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    out = torch.zeros(L, hkv, num_scored, dtype=torch.float64)
-    for l in range(L):
-        for h in range(hq):
-            for i in range(w):
-                vis = first_pos + i + 1
-                p = softmax([dot(q[l, h, i], k[l, h // g, j]) / math.sqrt(d) for j in range(vis)])
-                for j in range(min(num_scored, vis)):
-                    out[l, h // g, j] += p[j] / (g if per_group_mean else 1)
-    return out
-
-
-def ref_snapkv_window(q, k, n, obs, kernel, pooling):
-    w = k.shape[2]
-    P = w - obs
-    sums = ref_causal_sums(q[:, :, P:], k, P, P, per_group_mean=True)
-    pool = avg_pool if pooling == "avg" else max_pool
-    out = torch.zeros(k.shape[0], k.shape[1], n, dtype=torch.float64)
-    for l in range(k.shape[0]):
-        for h in range(k.shape[1]):
-            out[l, h] = torch.tensor(pool(sums[l, h].tolist(), kernel)[:n], dtype=torch.float64)
-    return out
-
-
 def ref_tova(q_last, k, n):
     """q_last [L, Hq, D]: softmax over all keys, mean over ALL query heads, same row for every KV head."""
     L, hq, d = q_last.shape
