@@ -79,7 +79,7 @@ def _exempt_newest_duplicate(c: torch.Tensor, sim_threshold: float) -> None:
     """In place on the cosine matrix c [..., T, T] (diagonal already 0): zero each row's newest near-duplicate
     (the largest j with c[i, j] > sim_threshold), or c[i, 0] when the row has none (reference behaviour)."""
     cols = torch.arange(c.shape[-1], device=c.device, dtype=torch.int32)
-    newest = (cols * (c > sim_threshold)).amax(dim=-1, keepdim=True)
+    newest = torch.where(c > sim_threshold, cols, 0).amax(dim=-1, keepdim=True)
     c.scatter_(-1, newest.long(), 0.0)
 
 
