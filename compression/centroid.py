@@ -46,7 +46,8 @@ def _centroids(x: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
     """Mean of x [R, n, D] over the members of each owner slot: [R, n, D] (rows of non-owners are 0)."""
     R, n, d = x.shape
     sums = torch.zeros_like(x).scatter_add_(1, owner[..., None].expand(R, n, d), x)
-    cnt = torch.zeros(R, n, dtype=x.dtype, device=x.device).scatter_add_(1, owner, torch.ones_like(owner, dtype=x.dtype))
+    ones = torch.ones_like(owner, dtype=x.dtype)
+    cnt = torch.zeros(R, n, dtype=x.dtype, device=x.device).scatter_add_(1, owner, ones)
     return sums / cnt.clamp(min=1)[..., None]
 
 

@@ -366,7 +366,8 @@ def test_credit_update_alignment():
     torch.testing.assert_close(mass, torch.tensor([[0.25, 0.75]]))
     # A longer cache: the old credit covers the first slots, the new slot starts at 0.
     mass2, credit2 = ams.ams_credit_update(torch.tensor([[1.0, 1.0, 2.0]]), credit)
-    torch.testing.assert_close(credit2, 0.8 * torch.tensor([[0.05, 0.15, 0.0]]) + 0.2 * torch.tensor([[0.25, 0.25, 0.5]]))
+    exp = 0.8 * torch.tensor([[0.05, 0.15, 0.0]]) + 0.2 * torch.tensor([[0.25, 0.25, 0.5]])
+    torch.testing.assert_close(credit2, exp)
 
 
 def test_bad_inputs_name_the_parameter():

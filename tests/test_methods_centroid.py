@@ -67,7 +67,8 @@ def test_chunk_size_grows_when_k_is_small():
     keys = torch.randn(1, 1, 12, 4)
     kept, owner = cen.centroid_clusters(keys, 12, 2, chunk_size=4)
     assert kept.shape == (1, 1, 2)
-    assert set(owner[0, 0, :6].tolist()) == {int(kept[0, 0, 0])} and set(owner[0, 0, 6:].tolist()) == {int(kept[0, 0, 1])}
+    assert set(owner[0, 0, :6].tolist()) == {int(kept[0, 0, 0])}
+    assert set(owner[0, 0, 6:].tolist()) == {int(kept[0, 0, 1])}
 
 
 def test_ties_go_to_the_lower_slot():
@@ -271,7 +272,8 @@ def test_compaction_rejects_bad_merged_rows():
     with pytest.raises(ValueError, match="together"):
         compact_sequence(kv, [0, 1], 0, 2, kept, 4, new_keys=torch.zeros(1, 1, 1, 2))
     with pytest.raises(ValueError, match="new_keys must be"):
-        compact_sequence(kv, [0, 1], 0, 2, kept, 4, new_keys=torch.zeros(1, 1, 2, 2), new_values=torch.zeros(1, 1, 2, 2))
+        compact_sequence(kv, [0, 1], 0, 2, kept, 4, new_keys=torch.zeros(1, 1, 2, 2),
+                         new_values=torch.zeros(1, 1, 2, 2))
 
 
 def test_compact_slot_state():

@@ -82,7 +82,8 @@ def ref_combine(attn, ent, rep, lam, rho, n):
 
 
 @pytest.mark.parametrize("g", [1, 2, 3])
-@pytest.mark.parametrize("lam,rho,with_rep", [(0.5, 0.25, True), (0.5, 0.25, False), (0.9, 0.6, True), (0.0, 0.5, True)])
+@pytest.mark.parametrize("lam,rho,with_rep",
+                         [(0.5, 0.25, True), (0.5, 0.25, False), (0.9, 0.6, True), (0.0, 0.5, True)])
 def test_window_select_matches_reference(g, lam, rho, with_rep):
     gen = torch.Generator().manual_seed(g * 7 + int(lam * 10))
     L, hkv, w, d, n = 2, 2, 12, 8, 8
