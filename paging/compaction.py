@@ -13,6 +13,11 @@ batched gather/scatter over all layers and heads (and, in `compact_batch`, all s
 
 The caller must own the blocks holding slots >= start exclusively (reference count 1): compaction writes into
 them in place, which would corrupt any other sequence sharing them.
+
+Merging compressors (compression/centroid.py) replace the kept slots' K/V by computed rows: a job with
+``new_keys`` / ``new_values`` ([L, Hkv, K, D]) writes those into slots [start, start + K) instead of the old K/V of
+the kept slots; everything else (tail move, new length, freed blocks) is unchanged. Per-slot side state that must
+follow the kept tokens (AMS credit, InfoKV entropy) is compacted the same way by `compact_slot_state`.
 """
 from __future__ import annotations
 
@@ -29,6 +34,9 @@ class CompactionJob:
     region_len: int
     kept: torch.Tensor  # [L, Hkv, K] indices into [0, region_len), strictly increasing per (layer, head)
     kv_len: int
+    # Optional computed K/V for the kept slots (merging): [L, Hkv, K, D] each, both or neither.
+    new_keys: torch.Tensor | None = None
+    new_values: torch.Tensor | None = None
 
     @property
     def new_kv_len(self) -> int:
@@ -61,6 +69,13 @@ def _check_job(kv: torch.Tensor, job: CompactionJob, check_indices: bool) -> Non
             bad = bad.any()
         if bool(bad):
             raise ValueError("kept indices must be strictly increasing per (layer, head) and inside the region")
+    if (job.new_keys is None) != (job.new_values is None):
+        raise ValueError("new_keys and new_values must be given together")
+    if job.new_keys is not None:
+        want = (L, hkv, K, kv.shape[-1])
+        for name, t in (("new_keys", job.new_keys), ("new_values", job.new_values)):
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name} must be [L, Hkv, K, D] = {list(want)}, got {tuple(t.shape)}")
 
 
 def compact_batch(kv: torch.Tensor, jobs: Sequence[CompactionJob], check_indices: bool = True) -> list[int]:
@@ -91,18 +106,46 @@ def compact_batch(kv: torch.Tensor, jobs: Sequence[CompactionJob], check_indices
     # Gather every source first (advanced indexing copies), then write.
     kept_vals = kv[li, k_sb, :, k_so, hi]  # [L, Hkv, sum K, 2, D]
     tail_vals = kv[:, t_sb, :, t_so]  # [sum tail, L, 2, Hkv, D]
+    off = 0
+    for job in jobs:  # merging jobs: their computed rows replace the gathered ones
+        K = job.kept.shape[-1]
+        if job.new_keys is not None:
+            kept_vals[:, :, off:off + K, 0] = job.new_keys.to(device=dev, dtype=kv.dtype)
+            kept_vals[:, :, off:off + K, 1] = job.new_values.to(device=dev, dtype=kv.dtype)
+        off += K
     kv[li, k_db, :, k_do, hi] = kept_vals
     kv[:, t_db, :, t_do] = tail_vals
     return [job.new_kv_len for job in jobs]
 
 
 def compact_sequence(kv: torch.Tensor, block_table: Sequence[int], region_start: int, region_len: int,
-                     kept: torch.Tensor, kv_len: int, check_indices: bool = True) -> int:
+                     kept: torch.Tensor, kv_len: int, check_indices: bool = True, *,
+                     new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None) -> int:
     """Compact one sequence in place (see the module docstring) and return its new kv_len = kv_len − region_len + K.
 
     kv [L, num_blocks, 2, block_size, Hkv, D]; kept [L, Hkv, K] indices relative to region_start, strictly
-    increasing per (layer, head). ``check_indices`` validates kept's values (one host sync)."""
-    return compact_batch(kv, [CompactionJob(block_table, region_start, region_len, kept, kv_len)], check_indices)[0]
+    increasing per (layer, head). ``check_indices`` validates kept's values (one host sync). ``new_keys`` /
+    ``new_values`` [L, Hkv, K, D]: computed K/V written into the kept slots instead of their old K/V (merging)."""
+    job = CompactionJob(block_table, region_start, region_len, kept, kv_len, new_keys=new_keys, new_values=new_values)
+    return compact_batch(kv, [job], check_indices)[0]
+
+
+def compact_slot_state(state: torch.Tensor, region_start: int, region_len: int, kept: torch.Tensor) -> torch.Tensor:
+    """Per-slot side state compacted like the KV (pure, returns a new tensor): state [L, Hkv, T, ...] (e.g. the AMS
+    EMA credit or InfoKV's per-slot entropy, one value per (layer, KV head, slot)); kept [L, Hkv, K] as for
+    `compact_batch`. Result [L, Hkv, T - region_len + K, ...]: slots before region_start, then the kept region
+    slots in order, then the old slots [region_start + region_len, T)."""
+    if state.dim() < 3 or kept.dim() != 3 or tuple(kept.shape[:2]) != tuple(state.shape[:2]):
+        raise ValueError(f"state must be [L, Hkv, T, ...] and kept [L, Hkv, K]; got {tuple(state.shape)} and "
+                         f"{tuple(kept.shape)}")
+    T = state.shape[2]
+    if region_start < 0 or region_len < 0 or region_start + region_len > T or kept.shape[-1] > region_len:
+        raise ValueError(f"region [{region_start}, {region_start + region_len}) with {kept.shape[-1]} kept does not "
+                         f"fit a state of {T} slots")
+    idx = kept.to(device=state.device, dtype=torch.long) + region_start
+    idx = idx.reshape(*idx.shape, *([1] * (state.dim() - 3))).expand(*idx.shape, *state.shape[3:])
+    return torch.cat([state[:, :, :region_start], state.gather(2, idx),
+                      state[:, :, region_start + region_len:]], dim=2)
 
 
 def blocks_to_free(block_table: Sequence[int], new_kv_len: int, block_size: int) -> list[int]:
@@ -114,4 +157,4 @@ def blocks_to_free(block_table: Sequence[int], new_kv_len: int, block_size: int)
     return list(block_table[needed:])
 
 
-__all__ = ["CompactionJob", "compact_batch", "compact_sequence", "blocks_to_free"]
+__all__ = ["CompactionJob", "compact_batch", "compact_sequence", "compact_slot_state", "blocks_to_free"]

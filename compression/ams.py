@@ -1,0 +1,402 @@
+"""AMS, Adaptive Mass-Segmented KV compression (arXiv 2605.23200), as a wrapper over any base scorer, for the window
+policy and for the threshold policy (with its EMA credit as explicit state). Pure torch, batched over all leading
+axes (layer-like rows x KV heads); each (row, KV head) gets its own segmentation and keeps exactly k slots.
+
+One selection (`ams_select`), given a mass (attention evidence) m and the base scores s over T positions:
+  1. normalise: m <- (relu(m) + 1e-12) / sum(...). Non-finite mass counts as 0.
+  2. segment: cut before the first position whose cumulative mass reaches each target t_i = i * segment_mass
+     (i >= 1, t_i < 1; cut positions clamped to [1, T - 1], duplicates merged); split segments longer than
+     ``max_seg_len`` into pieces of max_seg_len from their start; then merge, left to right, every segment
+     shorter than ``min_seg_len`` with the ones after it until it is long enough (the last one may stay short).
+  3. quotas: each segment gets min(len, ``min_keep_per_segment``). If that already reaches k, budgets are
+     decreased round-robin in segment order (one unit per segment per pass) down to 1 each, then (our addition:
+     the reference loops forever there) down to 0. Otherwise the remainder k - sum is split in proportion to
+     segment mass, round-half-even, capped at the segment length, and fixed up to sum exactly to k by
+     round-robin decrements (not below the minimum) or increments (not above the length).
+  4. inside each segment, its quota of positions with the best base score are candidates.
+  5. must-keep: the first ``n_sink`` and last ``keep_last`` positions (keep_last capped at k, n_sink at
+     k - keep_last). The other k - |must-keep| slots go to the candidates with the best base scores (a global
+     ranking: when must-keep slots were not candidates, the weakest candidates drop out); any shortfall would be
+     filled by the best non-candidates.
+  Ties (scores) -> lower index; NaN scores -> -inf. Cumulative mass is summed in float64 so the cut positions do
+  not depend on float32 summation order.
+
+This follows the reference ``AdaptiveMassSegmentWrapperHeadPress`` (EIT-NLP/AdaptiveMassSegment,
+``kvpress/presses/adaptive_segment_head_press.py``) step for step; the reference segments the batch-mean mass,
+we segment per row (rows are independent sequences/layers here).
+
+Mass evidence (as the reference, SnapKV-style): the observation queries attend causally, probabilities averaged
+over them, avg-pooled (kernel 5, zero padding counted) along the keys, averaged over the GQA group.
+  * threshold: the last w queries over the prefix [0, T - w); the w observation slots get the row's maximum
+    (the reference pads them with the max), so segmentation covers all T slots and the observation slots, kept
+    by the caller, are forced kept (keep_last >= w), take their slots of the budget and never starve the prefix.
+  * window: the last ``obs_window`` window queries (default the buffer) over the region only.
+
+EMA credit (threshold policy only; the window policy never re-scores a token): per (row, KV head, slot) state
+credit <- decay * credit_prev + (1 - decay) * m (slots appended since the last event start at 0), and the mass used
+is norm(mix_beta * m + (1 - mix_beta) * norm(credit)). After selection the credit of the kept slots follows them:
+`ams_threshold_select` returns it in post-compaction order (kept prefix slots, then the w window slots), so the
+caller stores it with the sequence and passes it back (padded or not) at the next event.
+
+Paper defaults (``AMS_DEFAULTS`` in the reference's evaluation/evaluate_registry.py): observation window 32,
+segment_mass 0.02, min_seg_len 32, max_seg_len 1024, min_keep_per_segment 8, n_sink 4, keep_last 32, credit decay
+0.8, mix_beta 0.7. Window defaults (our choice): n_sink 0 and keep_last 0, because in a window the buffer already
+protects the newest tokens and the attention sinks are the sequence's first tokens (in the prompt, outside the
+region).
+
+Cost: the base scorer's, plus O(T) per row for the mass and the selection (two sorts), and a Python loop over at
+most ~1/segment_mass + T/max_seg_len segment starts (vectorised over rows).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from compression.baselines import (
+    h2o_scores,
+    h2o_threshold_scores,
+    keydiff_scores,
+    keydiff_threshold_scores,
+    knorm_scores,
+    knorm_threshold_scores,
+    snapkv_window_scores,
+    tova_scores,
+    tova_threshold_scores,
+)
+from compression.kara import kara_scores
+from compression.method_utils import (
+    check_budget,
+    check_k,
+    check_kernel,
+    check_threshold,
+    check_unit,
+    check_window,
+    finite_scores,
+    obs_window_len,
+)
+from compression.rkv import rkv_scores, rkv_window_scores
+from compression.snapkv import snapkv_scores
+
+AMS_SEGMENT_MASS = 0.02
+AMS_MIN_SEG_LEN = 32
+AMS_MAX_SEG_LEN = 1024
+AMS_MIN_KEEP_PER_SEGMENT = 8
+AMS_N_SINK = 4
+AMS_KEEP_LAST = 32
+AMS_CREDIT_DECAY = 0.8
+AMS_MIX_BETA = 0.7
+AMS_EVIDENCE_KERNEL = 5
+_EPS = 1e-12
+
+#: Base scorers for the window policy: f(queries, keys, num_region, **base_kwargs) -> [L, Hkv, n].
+WINDOW_BASES: dict[str, Callable[..., torch.Tensor]] = {
+    "kara": lambda q, k, n, **kw: kara_scores(q, k, n, **kw),
+    "rkv": lambda q, k, n, **kw: rkv_window_scores(q, k, n, **kw),
+    "tova": lambda q, k, n, **kw: tova_scores(q, k, n, **kw),
+    "snapkv": lambda q, k, n, **kw: snapkv_window_scores(q, k, n, **kw),
+    "h2o": lambda q, k, n, **kw: h2o_scores(q, k, n, **kw),
+    "keydiff": lambda q, k, n, **kw: keydiff_scores(k, n, **kw),
+    "knorm": lambda q, k, n, **kw: knorm_scores(k, n, **kw),
+}
+#: Base scorers for the threshold policy: f(queries_obs, keys, **base_kwargs) -> [L, Hkv, T - w].
+THRESHOLD_BASES: dict[str, Callable[..., torch.Tensor]] = {
+    "snapkv": lambda qo, k, kernel=5: snapkv_scores(qo, k, kernel),
+    "rkv": lambda qo, k, **kw: rkv_scores(qo, k, **kw),
+    "tova": lambda qo, k, **kw: tova_threshold_scores(qo, k, **kw),
+    "h2o": lambda qo, k, **kw: h2o_threshold_scores(qo, k, **kw),
+    "keydiff": lambda qo, k, **kw: keydiff_threshold_scores(qo, k, **kw),
+    "knorm": lambda qo, k, **kw: knorm_threshold_scores(qo, k, **kw),
+}
+
+
+# ----------------------------------------------------------------------------- parameter checks
+def _check_int(name: str, value: int, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"ams.{name} must be an integer >= {lo}, got {value!r}")
+    return value
+
+
+def _check_segment_params(segment_mass: float, min_seg_len: int, max_seg_len: int) -> None:
+    check_unit("ams", "segment_mass", segment_mass, lo_open=True)
+    _check_int("min_seg_len", min_seg_len, 1)
+    _check_int("max_seg_len", max_seg_len, 1)
+    if max_seg_len < min_seg_len:
+        raise ValueError(f"ams.max_seg_len must be >= min_seg_len ({min_seg_len}), got {max_seg_len!r}")
+
+
+# ----------------------------------------------------------------------------- mass
+def ams_normalize(x: torch.Tensor) -> torch.Tensor:
+    """(relu(x) + 1e-12) / sum along the last axis, float32; non-finite values count as 0."""
+    x = torch.relu(torch.nan_to_num(x.to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)) + _EPS
+    return x / x.sum(dim=-1, keepdim=True)
+
+
+def ams_credit_update(mass_current: torch.Tensor, credit_prev: torch.Tensor | None, *,
+                      credit_decay: float = AMS_CREDIT_DECAY, mix_beta: float = AMS_MIX_BETA
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """EMA credit. mass_current [..., T] (normalised here); credit_prev [..., T'] or None (zeros): slots past T'
+    (appended since the last event) start at 0, slots past T are dropped. Returns (mass_used [..., T],
+    credit [..., T]), both float32."""
+    decay = check_unit("ams", "credit_decay", credit_decay, hi_open=True)
+    beta = check_unit("ams", "mix_beta", mix_beta)
+    m = ams_normalize(mass_current)
+    T = m.shape[-1]
+    if credit_prev is None:
+        prev = torch.zeros_like(m)
+    else:
+        if tuple(credit_prev.shape[:-1]) != tuple(m.shape[:-1]):
+            raise ValueError(f"ams.credit_prev must be [{', '.join(map(str, m.shape[:-1]))}, T'], "
+                             f"got {tuple(credit_prev.shape)}")
+        prev = credit_prev.to(device=m.device, dtype=torch.float32)[..., :T]
+        if prev.shape[-1] < T:
+            prev = torch.cat([prev, prev.new_zeros(*m.shape[:-1], T - prev.shape[-1])], dim=-1)
+    credit = decay * prev + (1.0 - decay) * m
+    return ams_normalize(beta * m + (1.0 - beta) * ams_normalize(credit)), credit
+
+
+def ams_window_mass(queries: torch.Tensor, keys: torch.Tensor, num_region: int, *, obs_window: int | None = None,
+                    kernel: int = AMS_EVIDENCE_KERNEL) -> torch.Tensor:
+    """Window evidence over the region: mean (over the last ``obs_window`` window queries, default the buffer) of
+    their causal attention, avg-pooled, GQA-group mean. float32 [L, Hkv, n] (not normalised)."""
+    check_window("ams", queries, keys, num_region)
+    check_kernel("ams", kernel)
+    w = keys.shape[2]
+    obs = obs_window_len("ams", obs_window, w, num_region)
+    return snapkv_scores(queries[:, :, w - obs:], keys, kernel)[..., :num_region] / obs
+
+
+def ams_threshold_mass(queries_obs: torch.Tensor, keys: torch.Tensor, *,
+                       kernel: int = AMS_EVIDENCE_KERNEL) -> torch.Tensor:
+    """Threshold evidence over all T slots: the prefix [0, T - w) as in `ams_window_mass` (mean over the w
+    observation queries), the w observation slots padded with the row's maximum (over KV heads and prefix).
+    float32 [L, Hkv, T]."""
+    w = check_threshold("ams", queries_obs, keys)
+    check_kernel("ams", kernel)
+    pre = snapkv_scores(queries_obs, keys, kernel) / w
+    top = pre.amax(dim=(1, 2), keepdim=True).expand(pre.shape[0], pre.shape[1], w)
+    return torch.cat([pre, top], dim=-1)
+
+
+# ----------------------------------------------------------------------------- segmentation and quotas
+def _num_targets(segment_mass: float) -> int:
+    """#{i >= 1 : i * segment_mass < 1}, robust to float error (0.02 * 50 must not count)."""
+    return max(0, math.ceil(1.0 / segment_mass - 1e-9) - 1)
+
+
+def _segment_ids(m: torch.Tensor, segment_mass: float, min_seg_len: int, max_seg_len: int) -> torch.Tensor:
+    """m: normalised mass [R, T]. Returns the segment index of every position, LongTensor [R, T] (0, 1, ...)."""
+    R, T = m.shape
+    dev = m.device
+    pos = torch.arange(T, device=dev)
+    is_start = torch.zeros(R, T, dtype=torch.bool, device=dev)
+    is_start[:, 0] = True
+    nt = _num_targets(segment_mass)
+    if T > 1 and nt > 0:
+        cum = m.to(torch.float64).cumsum(dim=-1)
+        targets = (torch.arange(1, nt + 1, dtype=torch.float64, device=dev) * segment_mass).expand(R, nt)
+        cuts = torch.searchsorted(cum, targets.contiguous()).clamp(1, T - 1)  # first index with cum >= target
+        is_start.scatter_(1, cuts, True)
+    # Split long segments: a new start every max_seg_len positions from each segment's start.
+    seg_start = torch.where(is_start, pos, 0).cummax(dim=-1).values
+    is_start |= (pos - seg_start) % max_seg_len == 0
+    if min_seg_len > 1:
+        # Merge short segments forward: a start survives iff it lies >= min_seg_len after the last survivor.
+        num = int(is_start.sum(dim=-1).max())
+        starts = torch.where(is_start, pos, T).sort(dim=-1).values[:, :num]  # [R, num], padded with T
+        keep = torch.zeros(R, num, dtype=torch.bool, device=dev)
+        keep[:, 0] = True
+        last = torch.zeros(R, dtype=torch.long, device=dev)
+        for j in range(1, num):
+            kj = (starts[:, j] < T) & (starts[:, j] - last >= min_seg_len)
+            keep[:, j] = kj
+            last = torch.where(kj, starts[:, j], last)
+        merged = torch.zeros(R, T + 1, dtype=torch.bool, device=dev)
+        merged.scatter_(1, torch.where(keep, starts, T), True)
+        is_start = merged[:, :T]
+    return is_start.to(torch.long).cumsum(dim=-1) - 1
+
+
+def _round_robin(head: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Units taken per segment when ``total`` units are taken one per segment per pass, segments in index order,
+    a segment taking part while it has headroom left. head [R, S] >= 0, total [R] >= 0 -> taken [R, S]
+    (all the headroom when total exceeds it)."""
+    # P full passes: the largest P with sum(min(head, P)) <= total; then the first r segments still open.
+    lo = torch.zeros_like(total)
+    hi = head.amax(dim=-1) if head.shape[-1] else torch.zeros_like(total)
+    for _ in range(max(1, int(hi.max()).bit_length() + 1) if hi.numel() else 1):
+        mid = (lo + hi + 1) // 2
+        ok = torch.minimum(head, mid[:, None]).sum(dim=-1) <= total
+        lo = torch.where(ok, mid, lo)
+        hi = torch.where(ok, hi, mid - 1)
+    taken = torch.minimum(head, lo[:, None])
+    rest = total - taken.sum(dim=-1)
+    open_ = head > lo[:, None]
+    return taken + (open_ & (open_.to(torch.long).cumsum(dim=-1) <= rest[:, None])).to(torch.long)
+
+
+def _quotas(seg: torch.Tensor, m: torch.Tensor, k: int, min_keep: int) -> torch.Tensor:
+    """Per-segment quotas [R, S] summing to k (see the module docstring, step 3)."""
+    R, T = seg.shape
+    S = int(seg.max()) + 1
+    seg_len = torch.zeros(R, S, dtype=torch.long, device=seg.device).scatter_add_(1, seg, torch.ones_like(seg))
+    seg_mass = torch.zeros(R, S, dtype=torch.float64, device=seg.device).scatter_add_(1, seg, m.to(torch.float64))
+    floor = torch.clamp(seg_len, max=min_keep)
+    base_sum = floor.sum(dim=-1)
+    kk = torch.full_like(base_sum, k)
+    # Minimums alone reach k: shrink round-robin to 1 per segment, then to 0.
+    shrunk = floor - _round_robin((floor - 1).clamp(min=0), (base_sum - kk).clamp(min=0))
+    shrunk = shrunk - _round_robin(shrunk, (shrunk.sum(dim=-1) - kk).clamp(min=0))
+    # Otherwise: split the remainder by mass, cap at the length, fix the sum up.
+    remain = (kk - base_sum).clamp(min=0).to(torch.float64)
+    total = seg_mass.sum(dim=-1, keepdim=True) + _EPS
+    extra = torch.round(remain[:, None] * (seg_mass / total)).to(torch.long)  # half-to-even, like Python round
+    grown = torch.minimum(seg_len, floor + extra)
+    grown = grown - _round_robin(grown - floor, (grown.sum(dim=-1) - kk).clamp(min=0))
+    grown = grown + _round_robin(seg_len - grown, (kk - grown.sum(dim=-1)).clamp(min=0))
+    return torch.where((base_sum >= kk)[:, None], shrunk, grown)
+
+
+def ams_segments(mass: torch.Tensor, *, segment_mass: float = AMS_SEGMENT_MASS, min_seg_len: int = AMS_MIN_SEG_LEN,
+                 max_seg_len: int = AMS_MAX_SEG_LEN) -> torch.Tensor:
+    """Segment index of every position, LongTensor shaped like mass (steps 1-2 of the module docstring)."""
+    _check_segment_params(segment_mass, min_seg_len, max_seg_len)
+    T = mass.shape[-1]
+    m = ams_normalize(mass).reshape(-1, T)
+    return _segment_ids(m, segment_mass, min_seg_len, max_seg_len).reshape(mass.shape)
+
+
+def ams_quotas(mass: torch.Tensor, k: int, *, segment_mass: float = AMS_SEGMENT_MASS,
+               min_seg_len: int = AMS_MIN_SEG_LEN, max_seg_len: int = AMS_MAX_SEG_LEN,
+               min_keep_per_segment: int = AMS_MIN_KEEP_PER_SEGMENT) -> tuple[torch.Tensor, torch.Tensor]:
+    """(segment ids shaped like mass, quotas [..., S] summing to k; S = the most segments of any row, absent
+    segments get 0)."""
+    _check_segment_params(segment_mass, min_seg_len, max_seg_len)
+    _check_int("min_keep_per_segment", min_keep_per_segment, 0)
+    T = mass.shape[-1]
+    check_k("ams", k, T)
+    m = ams_normalize(mass).reshape(-1, T)
+    seg = _segment_ids(m, segment_mass, min_seg_len, max_seg_len)
+    q = _quotas(seg, m, k, min_keep_per_segment)
+    return seg.reshape(mass.shape), q.reshape(*mass.shape[:-1], q.shape[-1])
+
+
+def ams_select(mass: torch.Tensor, scores: torch.Tensor, k: int, *, segment_mass: float = AMS_SEGMENT_MASS,
+               min_seg_len: int = AMS_MIN_SEG_LEN, max_seg_len: int = AMS_MAX_SEG_LEN,
+               min_keep_per_segment: int = AMS_MIN_KEEP_PER_SEGMENT, n_sink: int = AMS_N_SINK,
+               keep_last: int = AMS_KEEP_LAST) -> torch.Tensor:
+    """The AMS selection (module docstring, steps 1-5). mass and scores [..., T] (any leading shape, e.g.
+    [L, Hkv, T]); returns LongTensor [..., k] of kept positions, strictly ascending, exactly k per row."""
+    if mass.shape != scores.shape:
+        raise ValueError(f"ams: mass {tuple(mass.shape)} and scores {tuple(scores.shape)} must have the same shape")
+    _check_int("n_sink", n_sink, 0)
+    _check_int("keep_last", keep_last, 0)
+    lead, T = mass.shape[:-1], mass.shape[-1]
+    seg, quota = ams_quotas(mass, k, segment_mass=segment_mass, min_seg_len=min_seg_len, max_seg_len=max_seg_len,
+                            min_keep_per_segment=min_keep_per_segment)
+    seg = seg.reshape(-1, T)
+    quota = quota.reshape(seg.shape[0], -1)
+    R = seg.shape[0]
+    dev = seg.device
+    s = finite_scores(scores).reshape(R, T).to(dev)
+    pos = torch.arange(T, device=dev)
+
+    # Step 4: rank inside each segment (score desc, ties -> lower index) via two stable sorts.
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices
+    by_seg = order.gather(1, torch.sort(seg.gather(1, order), dim=-1, stable=True).indices)
+    seg_len = torch.zeros_like(quota).scatter_add_(1, seg, torch.ones_like(seg))
+    seg_off = seg_len.cumsum(dim=-1) - seg_len
+    sid = seg.gather(1, by_seg)
+    in_quota = (pos - seg_off.gather(1, sid)) < quota.gather(1, sid)
+    cand = torch.zeros(R, T, dtype=torch.bool, device=dev).scatter_(1, by_seg, in_quota)
+
+    # Step 5: must-keep slots, then the best candidates, then (never needed when quotas sum to k) the best rest.
+    eff_last = min(keep_last, k)
+    eff_sink = min(n_sink, max(0, k - eff_last))
+    must = ((pos < eff_sink) | (pos >= T - eff_last)).expand(R, T)
+    need = k - int(must[0].sum()) if R else 0
+    c_ord = (cand & ~must).gather(1, order)
+    take = c_ord & (c_ord.cumsum(dim=-1) <= need)
+    rest = need - take.sum(dim=-1, keepdim=True)
+    o_ord = (~cand & ~must).gather(1, order)
+    take |= o_ord & (o_ord.cumsum(dim=-1) <= rest)
+    keep = torch.zeros(R, T, dtype=torch.bool, device=dev).scatter_(1, order, take) | must
+    kept = torch.where(keep, pos, T).sort(dim=-1).values[:, :k]
+    return kept.reshape(*lead, k)
+
+
+# ----------------------------------------------------------------------------- policies
+def _base_scores(table: dict, base: str | torch.Tensor, args: tuple, kwargs: dict | None, shape: tuple) -> torch.Tensor:
+    if isinstance(base, torch.Tensor):
+        s = base
+    else:
+        if base not in table:
+            raise ValueError(f"ams.base must be one of {sorted(table)} or a score tensor, got {base!r}")
+        s = table[base](*args, **(kwargs or {}))
+    if tuple(s.shape) != shape:
+        raise ValueError(f"ams: base scores must be {shape}, got {tuple(s.shape)}")
+    return s
+
+
+def ams_window_select(queries: torch.Tensor, keys: torch.Tensor, num_region: int, k: int, *,
+                      base: str | torch.Tensor = "kara", base_kwargs: dict | None = None,
+                      obs_window: int | None = None, kernel: int = AMS_EVIDENCE_KERNEL,
+                      segment_mass: float = AMS_SEGMENT_MASS, min_seg_len: int = AMS_MIN_SEG_LEN,
+                      max_seg_len: int = AMS_MAX_SEG_LEN, min_keep_per_segment: int = AMS_MIN_KEEP_PER_SEGMENT,
+                      n_sink: int = 0, keep_last: int = 0) -> torch.Tensor:
+    """AMS over one window's region. ``base``: a name in WINDOW_BASES (scored with ``base_kwargs``) or the base
+    scores themselves [L, Hkv, n]. Mass: `ams_window_mass` (needs a buffer). LongTensor [L, Hkv, k], ascending."""
+    check_window("ams", queries, keys, num_region)
+    check_k("ams", k, num_region)
+    L, hkv = keys.shape[:2]
+    mass = ams_window_mass(queries, keys, num_region, obs_window=obs_window, kernel=kernel)
+    s = _base_scores(WINDOW_BASES, base, (queries, keys, num_region), base_kwargs, (L, hkv, num_region))
+    return ams_select(mass, s, k, segment_mass=segment_mass, min_seg_len=min_seg_len, max_seg_len=max_seg_len,
+                      min_keep_per_segment=min_keep_per_segment, n_sink=n_sink, keep_last=keep_last)
+
+
+def ams_threshold_select(queries_obs: torch.Tensor, keys: torch.Tensor, budget: int, *,
+                         base: str | torch.Tensor = "snapkv", base_kwargs: dict | None = None,
+                         credit_prev: torch.Tensor | None = None, use_credit: bool = True,
+                         credit_decay: float = AMS_CREDIT_DECAY, mix_beta: float = AMS_MIX_BETA,
+                         kernel: int = AMS_EVIDENCE_KERNEL, segment_mass: float = AMS_SEGMENT_MASS,
+                         min_seg_len: int = AMS_MIN_SEG_LEN, max_seg_len: int = AMS_MAX_SEG_LEN,
+                         min_keep_per_segment: int = AMS_MIN_KEEP_PER_SEGMENT, n_sink: int = AMS_N_SINK,
+                         keep_last: int = AMS_KEEP_LAST) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """AMS over the whole cache (threshold policy). queries_obs [L, Hq, w, D], keys [L, Hkv, T, D]; ``base``: a name
+    in THRESHOLD_BASES or prefix scores [L, Hkv, T - w]. With kb = min(budget, T - w), returns
+
+      * kept: LongTensor [L, Hkv, kb], ascending indices into the prefix [0, T - w) (the w observation slots are
+        kept by the caller, after them);
+      * credit_new: float32 [L, Hkv, kb + w], the EMA credit of the surviving slots in post-compaction order
+        (kept prefix slots, then the w observation slots), or None when use_credit is False.
+
+    credit_prev: the credit returned by the previous event of this sequence, [L, Hkv, T'] (T' <= T: slots appended
+    since then start at 0), or None for the first event."""
+    check_budget("ams", budget)
+    w = check_threshold("ams", queries_obs, keys)
+    if not isinstance(use_credit, bool):
+        raise ValueError(f"ams.use_credit must be a boolean, got {use_credit!r}")
+    L, hkv, T = keys.shape[:3]
+    n = T - w
+    kb = min(budget, n)
+    mass = ams_threshold_mass(queries_obs, keys, kernel=kernel)
+    credit = None
+    if use_credit:
+        mass, credit = ams_credit_update(mass, credit_prev, credit_decay=credit_decay, mix_beta=mix_beta)
+    pre = _base_scores(THRESHOLD_BASES, base, (queries_obs, keys), base_kwargs, (L, hkv, n))
+    # The observation slots always win their segment's quota (the caller keeps them), like the reference's
+    # max-padding of the base scores.
+    s = torch.cat([finite_scores(pre), pre.new_full((L, hkv, w), float("inf"), dtype=torch.float32)], dim=-1)
+    kept_all = ams_select(mass, s, kb + w, segment_mass=segment_mass, min_seg_len=min_seg_len,
+                          max_seg_len=max_seg_len, min_keep_per_segment=min_keep_per_segment, n_sink=n_sink,
+                          keep_last=max(keep_last, w))
+    credit_new = credit.gather(-1, kept_all) if credit is not None else None
+    return kept_all[..., :kb].contiguous(), credit_new
+
+
+__all__ = ["AMS_SEGMENT_MASS", "AMS_MIN_SEG_LEN", "AMS_MAX_SEG_LEN", "AMS_MIN_KEEP_PER_SEGMENT", "AMS_N_SINK",
+           "AMS_KEEP_LAST", "AMS_CREDIT_DECAY", "AMS_MIX_BETA", "AMS_EVIDENCE_KERNEL", "WINDOW_BASES",
+           "THRESHOLD_BASES", "ams_normalize", "ams_credit_update", "ams_window_mass", "ams_threshold_mass",
+           "ams_segments", "ams_quotas", "ams_select", "ams_window_select", "ams_threshold_select"]
