@@ -1,131 +1,179 @@
-"""Throughput under KV-memory pressure: no compression vs the threshold baseline vs periodic Kara.
+"""Throughput under KV-memory pressure in the paper's regime (arXiv 2607.01237 §3.3): long outputs, pools sized for a
+few uncompressed sequences, no compression vs the threshold baseline vs periodic Kara under each scheduling policy.
 
-A KV pool far too small for the load (by default room for 8 uncompressed sequences of prompt + output
-tokens); every request generates a long output with ignore_eos; the engine runs with max concurrency
-C in --concurrency. For each policy and C it prints output tok/s, the mean running batch, peak blocks used,
-preemptions and the share of engine time spent compressing (query recompute + scoring + compaction).
+For each pool (room for 2, 4, 8 uncompressed sequences of prompt + output tokens) and each setting it runs the same
+requests (short real-text prompts, long greedy outputs with ignore_eos, every request admitted as soon as the
+engine takes it) and reports output tok/s, the mean running batch, preemptions, recomputed tokens, on-demand
+rounds and the compression share of engine time. A last row runs no compression on an ample pool with the
+concurrency Kara reached, so Kara's gain reads as a fraction of what the extra concurrency can give. Public API only.
 
-    .venv/bin/python -m bench.compression_throughput [--num-requests 32] [--output-len 512] ...
+    python -m bench.compression_throughput [--num-requests 12] [--output-len 768] [--pools 2,4,8] ...
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 import torch
 
-from bench.common import run_requests, text_prompts, write_section  # noqa: E402
-from engine import Engine, SamplingParams  # noqa: E402
+from bench.common import DOCS, run_requests, text_prompts, write_section
+from engine import Engine, SamplingParams
+
+SETTINGS = {  # name -> (engine kwargs, per-request kv_compression key)
+    "none": ({"compress_before_preempt": False}, "none"),
+    "threshold": ({"compress_before_preempt": False}, "threshold"),
+    "kara, fcfs, preempt only": ({"compress_before_preempt": False}, "kara"),
+    "kara, fcfs": ({}, "kara"),
+    "kara, compression-aware": ({"scheduling_policy": "compression-aware"}, "kara"),
+}
 
 
-def run_load(engine: Engine, prompts, output_len: int, concurrency: int, kv_compression) -> dict:
+def run(args, pool_seqs: int | None, setting: str, compression: dict, concurrency: int, tokenizer_cache: dict):
+    seq_len = args.input_len + args.output_len
+    per_seq = -(-seq_len // args.block_size)
+    num_blocks = pool_seqs * per_seq if pool_seqs else args.num_requests * per_seq
+    kwargs, comp_key = SETTINGS[setting]
+    engine = Engine(model=args.model, dtype=args.dtype, device="cpu", block_size=args.block_size,
+                    num_kv_blocks=num_blocks, max_model_len=seq_len + 1, max_num_batched_tokens=2048,
+                    max_num_seqs=args.num_requests, watermark=0.0, preemption_mode=args.preemption_mode, **kwargs)
+    if "prompts" not in tokenizer_cache:
+        tokenizer_cache["prompts"] = text_prompts(engine.tokenizer, args.num_requests, args.input_len)
+    prompts = tokenizer_cache["prompts"]
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    run_requests(engine, prompts[:2], warm, 2, prefix="warm")
     engine.reset_stats()
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, kv_compression=kv_compression)
-    running, peak_blocks = [], 0
-
-    def sample(st):
-        nonlocal peak_blocks
-        running.append(st.num_running)
-        peak_blocks = max(peak_blocks, st.num_blocks - st.num_free_blocks)
-
-    outs, wall = run_requests(engine, prompts, params, concurrency, prefix=f"c{concurrency}", on_step=sample)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
+                            kv_compression=compression[comp_key])
+    running = []
+    outs, wall = run_requests(engine, prompts, params, concurrency, prefix="r",
+                              on_step=lambda st: running.append(st.num_running))
     engine.check_invariants()
     st = engine.stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert tokens == len(prompts) * output_len
-    return {
-        "tok_s": tokens / wall, "wall": wall, "mean_batch": sum(running) / max(1, len(running)),
-        "peak_blocks": peak_blocks, "preemptions": st.num_preemptions, "rounds": st.compression_rounds,
-        "compress_share": st.compression_seconds / max(st.engine_seconds, 1e-9),
-        "retention": st.compression_retention,
-        # cost of compressing one region token vs engine time per output token without compression: their ratio
-        # is the compression time share once every output token gets compressed once (long outputs)
-        "compress_ms_per_token": 1e3 * st.compression_seconds / st.compression_tokens_seen
-        if st.compression_tokens_seen else None,
-        "step_ms_per_token": 1e3 * (st.engine_seconds - st.compression_seconds) / tokens,
+    assert tokens == len(prompts) * args.output_len
+    result = {
+        "pool": pool_seqs, "setting": setting, "blocks": num_blocks, "tok_s": tokens / wall, "wall": wall,
+        "mean_batch": sum(running) / max(1, len(running)), "preemptions": st.num_preemptions,
+        "recomputed": st.recomputed_tokens, "swapped": st.swapped_out_blocks, "rounds": st.compression_rounds,
+        "on_demand": st.compression_on_demand_rounds,
+        "share": st.compression_seconds / max(st.engine_seconds, 1e-9),
     }
+    del engine
+    gc.collect()
+    return result
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f}"
+def plot(results, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for setting in SETTINGS:
+        pts = sorted((r["pool"], r["tok_s"]) for r in results if r["setting"] == setting and r["pool"])
+        if pts:
+            ax.plot([p for p, _ in pts], [t for _, t in pts], marker="o", label=setting)
+    ample = [r for r in results if r["pool"] is None]
+    for r in ample:
+        ax.axhline(r["tok_s"], ls=":", color="gray", label=f"none, ample pool, concurrency {r['concurrency']}")
+    ax.set_xlabel("KV pool (room for N uncompressed sequences)")
+    ax.set_ylabel("output tok/s")
+    ax.set_xticks(sorted({r["pool"] for r in results if r["pool"]}))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--num-requests", type=int, default=32)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=512)
-    ap.add_argument("--pool-seqs", type=int, default=8, help="the pool holds this many uncompressed sequences")
-    ap.add_argument("--concurrency", default="8,16,32")
-    ap.add_argument("--policies", default="none,threshold,kara")
-    ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--buffer", type=int, default=32)
-    ap.add_argument("--ratio", type=float, default=0.3)
-    ap.add_argument("--chunk-max", type=int, default=8)
-    ap.add_argument("--chunk-budget", type=int, default=16)
-    ap.add_argument("--threshold-max", type=int, default=512)
-    ap.add_argument("--threshold-target", type=int, default=256)
+    ap.add_argument("--num-requests", type=int, default=12)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=768)
+    ap.add_argument("--pools", default="2,4,8", help="pool sizes in uncompressed sequences")
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--buffer", type=int, default=8)
+    ap.add_argument("--period", type=int, default=0, help="compression period (0: window - buffer)")
+    ap.add_argument("--ratio", type=float, default=0.25)
+    ap.add_argument("--chunk-max", type=int, default=4)
+    ap.add_argument("--chunk-budget", type=int, default=8)
+    ap.add_argument("--threshold-max", type=int, default=0, help="0: match Kara's mean KV per sequence")
+    ap.add_argument("--threshold-target", type=int, default=0)
+    ap.add_argument("--query-source", default="auto")
+    ap.add_argument("--preemption-mode", default="auto")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
 
-    seq_len = args.input_len + args.output_len
-    num_blocks = args.pool_seqs * -(-seq_len // args.block_size)
-    engine = Engine(model=args.model, dtype=args.dtype, device="cpu", block_size=args.block_size,
-                    num_kv_blocks=num_blocks, max_model_len=seq_len + 1, max_num_batched_tokens=2048,
-                    watermark=0.0)
-    prompts = text_prompts(engine.tokenizer, args.num_requests, args.input_len)
-    configs = {
-        "none": "none",
-        "threshold": {"method": "threshold", "threshold_max": args.threshold_max,
-                      "threshold_target": args.threshold_target, "observation_window": 32},
-        "kara": {"method": "kara", "window": args.window, "buffer": args.buffer, "ratio": args.ratio,
-                 "chunk_max": args.chunk_max, "chunk_budget": args.chunk_budget,
-                 "compression_period": args.window - args.buffer},
-    }
-    run_load(engine, prompts[:2], 8, 2, "none")  # warm-up
-    results = {}
-    for policy in args.policies.split(","):
-        for c in [int(x) for x in args.concurrency.split(",")]:
-            r = run_load(engine, prompts, args.output_len, c, configs[policy])
-            results[(policy, c)] = r
-            print(f"{policy:9s} C={c:3d} {r['tok_s']:7.1f} tok/s  batch {r['mean_batch']:5.1f}  peak blocks "
-                  f"{r['peak_blocks']}/{num_blocks}  preempt {r['preemptions']}  rounds {r['rounds']}  "
-                  f"compress {100 * r['compress_share']:.1f}%", flush=True)
+    period = args.period or args.window - args.buffer
+    kara = {"method": "kara", "window": args.window, "buffer": args.buffer, "ratio": args.ratio,
+            "chunk_max": args.chunk_max, "chunk_budget": args.chunk_budget, "compression_period": period,
+            "query_source": args.query_source}
+    # The threshold baseline gets the same KV budget: it compresses to N = what Kara holds on average over an
+    # output (compressed part + half a period of tail) and triggers at C_max = N + one period.
+    n = args.window - args.buffer
+    kept = min(n, -(-int(args.ratio * n * 1e9) // int(1e9)) + args.chunk_budget)
+    mean_kara = args.input_len + int(kept / n * args.output_len / 2) + args.window
+    target = args.threshold_target or max(args.window, mean_kara)
+    cmax = args.threshold_max or target + period
+    compression = {"none": "none", "kara": kara,
+                   "threshold": {"method": "threshold", "threshold_max": cmax, "threshold_target": target,
+                                 "observation_window": 32}}
+    results = []
+    cache: dict = {}
+    kara_batches = []
+    for pool in [int(x) for x in args.pools.split(",")]:
+        for setting in args.settings.split(","):
+            r = run(args, pool, setting, compression, args.num_requests, cache)
+            results.append(r)
+            if setting.startswith("kara"):
+                kara_batches.append(r["mean_batch"])
+            print(f"pool {pool} {setting:26s} {r['tok_s']:6.1f} tok/s  batch {r['mean_batch']:4.1f}  preempt "
+                  f"{r['preemptions']:3d} (recomputed {r['recomputed']}, swapped {r['swapped']} blocks)  rounds "
+                  f"{r['rounds']} (on demand {r['on_demand']})  compression {100 * r['share']:.1f}%", flush=True)
+    ample_c = max(1, round(max(kara_batches))) if kara_batches else args.num_requests
+    r = run(args, None, "none", compression, ample_c, cache)
+    r["concurrency"] = ample_c
+    results.append(r)
+    print(f"ample pool, none, concurrency {ample_c}: {r['tok_s']:.1f} tok/s", flush=True)
 
-    conc = [int(x) for x in args.concurrency.split(",")]
-    lines = ["| policy | max concurrency | output tok/s | vs none | mean running batch | peak blocks | preemptions "
-             "| compression rounds | compression time share | retention | compression ms per region token "
-             "| other engine ms per output token |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for (policy, c), r in results.items():
-        base = results.get(("none", c))
-        ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "-"
-        ret = f"{r['retention']:.2f}" if r["retention"] is not None else "-"
-        lines.append(f"| {policy} | {c} | {r['tok_s']:.1f} | {ratio} | {r['mean_batch']:.1f} | {r['peak_blocks']}/{num_blocks} "
-                     f"| {r['preemptions']} | {r['rounds']} | {100 * r['compress_share']:.1f}% | {ret} "
-                     f"| {_ms(r['compress_ms_per_token'])} | {_ms(r['step_ms_per_token'])} |")
+    lines = ["| pool (uncompressed seqs) | setting | output tok/s | vs none | mean running batch | preemptions "
+             "| recomputed tokens | swapped blocks | rounds (on demand) | compression share |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if r["pool"] is None:
+            continue
+        base = next(x for x in results if x["pool"] == r["pool"] and x["setting"] == "none")
+        lines.append(f"| {r['pool']} | {r['setting']} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x "
+                     f"| {r['mean_batch']:.1f} | {r['preemptions']} | {r['recomputed']} | {r['swapped']} "
+                     f"| {r['rounds']} ({r['on_demand']}) | {100 * r['share']:.1f}% |")
+    ample = results[-1]
+    lines.append(f"| ample ({args.num_requests}) | none, max concurrency {ample['concurrency']} | "
+                 f"{ample['tok_s']:.1f} | - | {ample['mean_batch']:.1f} | {ample['preemptions']} | - | - | - | - |")
     body = "\n".join(lines)
-    body += (f"\n\n{args.model} ({engine.dtype}, {torch.get_num_threads()} CPU thread(s)), {args.num_requests} requests x {args.input_len}-token real-text prompts, "
-             f"{args.output_len} new tokens (ignore_eos, greedy); KV pool {num_blocks} blocks x {args.block_size} = room for "
-             f"{args.pool_seqs} uncompressed sequences. kara: periodic, |W|={args.window}, |U|={args.buffer}, r={args.ratio}, "
-             f"γ={args.chunk_max}, α={args.chunk_budget}, period {args.window - args.buffer}; threshold: SnapKV, C_max={args.threshold_max} -> "
-             f"N={args.threshold_target}. Retention = kept / scored tokens of the compressed regions. The last two "
-             f"columns predict the compression time share once outputs are long enough that every output token is "
-             f"compressed once: share ≈ a / (a + b) for compression cost a per region token and other engine time b "
-             f"per output token (≤ 5% needs a ≤ b / 19).")
-    kara = [results[("kara", c)]["tok_s"] for c in conc if ("kara", c) in results]
-    if kara:
-        body += f"\n\nperiodic Kara throughput across concurrency {conc}: " + ", ".join(f"{x:.1f}" for x in kara)
+    body += (f"\n\n{args.model} ({torch.get_num_threads()} CPU thread(s)), {args.num_requests} requests x "
+             f"{args.input_len}-token real-text prompts, {args.output_len} new tokens (greedy, ignore_eos), all "
+             f"submitted at once; block size {args.block_size}. kara: |W|={args.window}, |U|={args.buffer}, "
+             f"r={args.ratio}, γ={args.chunk_max}, α={args.chunk_budget}, period {period}, query source "
+             f"{args.query_source}. threshold: SnapKV, C_max={cmax} -> N={target}. Preemption mode "
+             f"{args.preemption_mode}. 'preempt only' is today's policy without compress-before-preempt; "
+             f"compression-aware admits by projected peak footprint. The last row is no compression on a pool for "
+             f"every request, with the concurrency Kara reached: the throughput that concurrency is worth here.")
+    png = DOCS.parent / "compression_throughput.png"
+    plot(results, png)
+    body += f"\n\n![throughput vs pool size]({png.name})"
     print(body)
     if not args.no_write:
-        write_section("Compression throughput under KV pressure", "python -m bench.compression_throughput " +
-                      " ".join(sys.argv[1:]), body)
+        write_section("Compression throughput under KV pressure (paper's regime)",
+                      "python -m bench.compression_throughput " + " ".join(sys.argv[1:]), body)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ Common fields:
   * ``compress_prompt`` — also compress the prompt, window by window, right after prefill.
   * ``threshold_max`` C_max, ``threshold_target`` N, ``observation_window`` w — threshold policy.
   * ``seed`` — for randomised methods (each sequence draws from its own generator seeded with it).
+  * ``query_source`` — where a round's window queries come from: ``"recompute"`` (the paper's way: a forward pass
+    of the window tokens over the current cache), ``"cache"`` (each tail token's post-RoPE queries, stored by the
+    step that computed it until its window is compressed: no second forward, memory L·Hq·D per tail token), or
+    ``"auto"`` (cache on CPU where compute is scarce, recompute on CUDA).
 """
 from __future__ import annotations
 
@@ -58,9 +62,11 @@ class _Common:
     threshold_target: int = 1024
     observation_window: int = 32
     seed: int = 0
+    query_source: str = "auto"
 
 
 COMMON_FIELDS = tuple(f.name for f in fields(_Common))
+QUERY_SOURCES = ("auto", "recompute", "cache")
 _INT_FIELDS = ("window", "buffer", "compression_period", "threshold_max", "threshold_target", "observation_window",
                "seed")
 
@@ -178,6 +184,8 @@ def _validate_common(c: _Common, spec: registry.MethodSpec, relations: bool = Tr
             raise field_error(name, "must be an integer", getattr(c, name))
     if not isinstance(c.compress_prompt, bool):
         raise field_error("compress_prompt", "must be a boolean", c.compress_prompt)
+    if c.query_source not in QUERY_SOURCES:
+        raise field_error("query_source", f"must be one of {list(QUERY_SOURCES)}", c.query_source)
     for name, low in (("window", 2), ("buffer", 1), ("compression_period", 1), ("observation_window", 1),
                       ("threshold_target", 2), ("threshold_max", 3), ("seed", 0)):
         if getattr(c, name) < low:

@@ -59,6 +59,9 @@ class CompactionRequest:
 @dataclass
 class RoundStats:
     rounds: int = 0
+    on_demand_rounds: int = 0  # run before a preemption, regardless of the period
+    queries_cached: int = 0  # window tokens whose queries came from the query cache
+    queries_recomputed: int = 0
     blocks_freed: int = 0
     tokens_evicted: int = 0
     tokens_seen: int = 0
@@ -66,8 +69,9 @@ class RoundStats:
 
 
 class CompressionStage:
-    def __init__(self, default: Any = None):
+    def __init__(self, default: Any = None, device_type: str = "cpu"):
         self.default: KVCompressionConfig = coerce(default) or KVCompressionConfig("none")
+        self.device_type = device_type  # resolves query_source="auto"
         self._compressors: dict[KVCompressionConfig, Any] = {}
         self.stats = RoundStats()
 
@@ -82,7 +86,13 @@ class CompressionStage:
         if cfg is None:
             return None
         start = score_from if score_from is not None else (0 if cfg.compress_prompt else num_prompt_tokens)
-        return CompressionState(cfg, start)
+        source = cfg.query_source
+        if source == "auto":  # on CPU a second forward costs as much compute as it saves; a GPU has it to spare
+            source = "recompute" if self.device_type == "cuda" else "cache"
+        if cfg.policy != "periodic" or not self.compressor(cfg).needs_queries:
+            source = "recompute"  # the threshold policy reads only its observation window: nothing to keep
+        kept = self.compressor(cfg).num_kept(cfg.region_len) if cfg.policy == "periodic" else 0
+        return CompressionState(cfg, start, query_source=source, kept_per_window=kept)
 
     def compressor(self, cfg: KVCompressionConfig):
         comp = self._compressors.get(cfg)
@@ -123,6 +133,34 @@ class CompressionStage:
         if threshold:
             self.run_threshold(threshold, kv, queries)
 
+    def reclaim(self, running: list[Sequence], kv: KVManager, queries: QueryFn, blocks_wanted: int) -> int:
+        """Compress before preempting: an on-demand round over the running sequences whose uncompressed tail holds a
+        complete window, whatever their period, the largest expected savings first, until about `blocks_wanted`
+        blocks would be freed. Returns the blocks actually freed."""
+        cands = []
+        for seq in running:
+            st = seq.compression
+            if st is None or not st.config.periodic or (seq.num_pending_tokens > 1 and seq.scoring is None):
+                continue
+            c = st.config
+            tail = st.tail(seq.num_computed_tokens)
+            if tail >= c.window:
+                saved = (tail - c.buffer) // c.region_len * (c.region_len - st.kept_per_window)
+                cands.append((saved, seq))
+        if not cands:
+            return 0
+        cands.sort(key=lambda x: -x[0])
+        picked, expected = [], 0
+        block_size = getattr(kv, "block_size", 1)
+        for saved, seq in cands:
+            picked.append(seq)
+            expected += saved / block_size
+            if expected >= blocks_wanted:
+                break
+        freed = self.run_window_round(picked, kv, queries)
+        self.stats.on_demand_rounds += 1
+        return freed
+
     # -- periodic window compression ----------------------------------------------------------------------
     def run_window_round(self, candidates: list[Sequence], kv: KVManager, queries: QueryFn) -> int:
         """Compress every complete window of each candidate's tail; returns the blocks freed."""
@@ -145,15 +183,21 @@ class CompressionStage:
         spans = [(s, s.compression.compressed_tokens, (k - 1) * s.compression.config.region_len
                   + s.compression.config.window) for s, k in picked]
         needs = [self.compressor(s.compression.config).needs_queries for s, _ in picked]
-        need_spans = [sp for sp, nq in zip(spans, needs) if nq]
-        q_all = queries(need_spans) if need_spans else None
+        cached = [s.compression.queries.get(start, n) if nq and s.compression.caches_queries else None
+                  for (s, start, n), nq in zip(spans, needs)]
+        recompute = [sp for sp, nq, c in zip(spans, needs, cached) if nq and c is None]
+        q_all = queries(recompute) if recompute else None
+        self.stats.queries_cached += sum(sp[2] for sp, c in zip(spans, cached) if c is not None)
+        self.stats.queries_recomputed += sum(sp[2] for sp in recompute)
         by_cfg: dict[KVCompressionConfig, list] = {}
         offset = 0
-        for (seq, num_windows), (_, _, length), nq in zip(picked, spans, needs):
+        for (seq, num_windows), (_, _, length), nq, c in zip(picked, spans, needs, cached):
             keys = kv.gather_keys(seq, seq.compression.compressed_kv_len, length)  # [L, Hkv, length, D]
             q = None
-            if nq:
-                q = q_all[:, offset:offset + length].transpose(1, 2)  # [L, Hq, length, D]
+            if c is not None:
+                q = c.transpose(1, 2)  # [L, Hq, length, D]
+            elif nq:
+                q = q_all[:, offset:offset + length].transpose(1, 2)
                 offset += length
             by_cfg.setdefault(seq.compression.config, []).append((seq, num_windows, q, keys))
         jobs = []

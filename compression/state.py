@@ -13,6 +13,41 @@ if TYPE_CHECKING:
     from compression.config import KVCompressionConfig
 
 
+class QueryCache:
+    """A ring buffer of one sequence's post-RoPE queries [L, capacity, Hq, D] by logical position, written by the
+    steps that compute its tail tokens (query_source="cache"). Holds the positions [lo, hi)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.buf: torch.Tensor | None = None
+        self.lo = self.hi = 0
+
+    def store(self, first: int, q: torch.Tensor) -> None:
+        n = q.shape[1]
+        if self.buf is None:
+            self.buf = q.new_empty(q.shape[0], self.capacity, *q.shape[2:])
+        if first != self.hi:  # not contiguous with what is held (a re-prefill): start over
+            self.lo = first
+        if n > self.capacity:
+            q, first, n = q[:, n - self.capacity:], first + n - self.capacity, self.capacity
+            self.lo = first
+        idx = torch.arange(first, first + n, device=q.device) % self.capacity
+        self.buf.index_copy_(1, idx, q.to(self.buf.dtype))
+        self.hi = first + n
+        self.lo = max(self.lo, self.hi - self.capacity)
+
+    def get(self, first: int, n: int) -> torch.Tensor | None:
+        """Queries of positions [first, first + n) as [L, n, Hq, D], or None if some are not held."""
+        if self.buf is None or first < self.lo or first + n > self.hi:
+            return None
+        idx = torch.arange(first, first + n, device=self.buf.device) % self.capacity
+        return self.buf.index_select(1, idx)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buf is None else self.buf.numel() * self.buf.element_size()
+
+
 @dataclass
 class CompressionState:
     config: KVCompressionConfig
@@ -24,10 +59,20 @@ class CompressionState:
     ever_compressed: bool = False
     generator: torch.Generator | None = None  # randomised selectors draw from the sequence's own stream
     rounds: int = 0
+    query_source: str = "recompute"  # resolved ("recompute" or "cache")
+    kept_per_window: int = 0  # region slots the method keeps of a full window (for footprint projections)
+    queries: QueryCache | None = None
 
     def __post_init__(self) -> None:
         self.reset()
         self.pending = self.config.compress_prompt
+        if self.query_source == "cache":
+            # the longest tail a periodic round sees: a window plus a period's worth of tokens, plus one step's chunk
+            self.queries = QueryCache(self.config.window + self.config.compression_period + 64)
+
+    @property
+    def caches_queries(self) -> bool:
+        return self.queries is not None
 
     @property
     def protected_tokens(self) -> int:

@@ -44,10 +44,10 @@ def parse_memory(value: int | str) -> int:
         num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
         unit = text[len(num):]
         if unit not in _UNITS or not num:
-            raise ValueError(f"kv_cache_memory must be bytes or a size like '2GiB', got {value!r}")
+            raise ValueError(f"memory sizes must be bytes or a size like '2GiB', got {value!r}")
         nbytes = int(float(num) * _UNITS[unit])
     if nbytes <= 0:
-        raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
+        raise ValueError(f"memory sizes must be positive, got {value!r}")
     return nbytes
 
 
@@ -72,6 +72,13 @@ class EngineConfig:
     watermark: float = 0.01
     enable_prefix_caching: bool = True
     seed: int = 0
+    # memory pressure (engine/scheduler.py)
+    scheduling_policy: str = "fcfs"
+    admission_optimism: float = 1.0
+    projected_output_len: int | None = None
+    preemption_mode: str = "auto"
+    compress_before_preempt: bool = True
+    swap_space: int | str = "1GiB"  # host memory for swapped-out KV blocks (0: recompute only)
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -85,6 +92,8 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
+        if self.swap_space not in (0, "0"):
+            parse_memory(self.swap_space)  # a clear error now
 
     def resolve_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -111,6 +120,13 @@ class EngineConfig:
                              f"({bytes_per_block(c.num_layers, self.block_size, c.num_kv_heads, c.head_dim, dtype)} "
                              f"bytes)")
         return n
+
+    def host_blocks(self, model_config, dtype: torch.dtype) -> int:
+        if self.swap_space in (0, "0"):
+            return 0
+        c = model_config
+        return num_blocks_for_memory(parse_memory(self.swap_space), c.num_layers, self.block_size, c.num_kv_heads,
+                                     c.head_dim, dtype)
 
     def fit_max_model_len(self, max_model_len: int, num_blocks: int) -> int:
         """One request must always fit the pool, or it would preempt itself forever."""

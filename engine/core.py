@@ -44,13 +44,18 @@ class EngineCore:
         self.max_model_len = config.fit_max_model_len(max_model_len, num_blocks)
         self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
                                 self.dtype, self.device)
-        self.kv = KVCacheManager(self.kv_cache, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                            watermark_blocks=int(config.watermark * num_blocks)), self.kv)
+        self.kv = KVCacheManager(self.kv_cache, config.enable_prefix_caching, config.host_blocks(cfg, self.dtype))
         self.attn = get_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, cfg, self.kv_cache, self.attn, self.device, self.dtype)
-        self.compression = CompressionStage(config.kv_compression)
+        self.compression = CompressionStage(config.kv_compression, self.device.type)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                            watermark_blocks=int(config.watermark * num_blocks),
+                            scheduling_policy=config.scheduling_policy,
+                            admission_optimism=config.admission_optimism,
+                            projected_output_len=config.projected_output_len, max_model_len=self.max_model_len,
+                            preemption_mode=config.preemption_mode),
+            self.kv, reclaim=self._reclaim if config.compress_before_preempt else None)
         self.default_generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -154,15 +159,30 @@ class EngineCore:
         return bool(self.requests)
 
     # -- the step -----------------------------------------------------------------------------------------
+    def _reclaim(self, running: list[Sequence], blocks_wanted: int) -> int:
+        return self.compression.reclaim(running, self.kv, self.runner.recompute_queries, blocks_wanted)
+
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns the outputs of requests that finished in it."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        t_sched = time.perf_counter() - t0
         self.counters.num_preemptions += len(out.preempted)
+        self.counters.swapped_out_blocks += out.swapped_out
+        self.counters.swapped_in_blocks += out.swapped_in
+        costs = self.scheduler.costs
+        if out.swapped_out or out.swapped_in:  # block copies dominate a schedule that swapped
+            costs.seconds_per_block = 0.7 * costs.seconds_per_block + 0.3 * t_sched / (out.swapped_out
+                                                                                       + out.swapped_in)
         touched: dict[str, Request] = {}
         if out:
+            t1 = time.perf_counter()
             result = self.runner.execute(out.scheduled)
+            if out.num_tokens >= 64:  # prefill-heavy steps say what recomputing a token costs
+                costs.seconds_per_token = 0.7 * costs.seconds_per_token + 0.3 * (time.perf_counter() - t1) / out.num_tokens
             self.scheduler.commit(out.scheduled)
+            for seq, first, q in result.captured:
+                seq.compression.queries.store(first, q)
             for item in out.scheduled:
                 touched[item.seq.request_id] = self.requests[item.seq.request_id]
                 if item.seq.num_computed_tokens <= item.seq.num_prompt_tokens:
@@ -243,8 +263,21 @@ class EngineCore:
         s.compression_rounds, s.compression_blocks_freed = c.rounds, c.blocks_freed
         s.compression_tokens_evicted, s.compression_tokens_seen = c.tokens_evicted, c.tokens_seen
         s.compression_seconds = c.seconds
+        s.compression_on_demand_rounds = c.on_demand_rounds
+        s.queries_cached, s.queries_recomputed = c.queries_cached, c.queries_recomputed
+        s.query_cache_bytes = sum(q.compression.queries.nbytes for q in self.scheduler.running
+                                  if q.compression is not None and q.compression.queries is not None)
+        s.recomputed_tokens = self.scheduler.recomputed_tokens
         s.prefix_cache_queries, s.prefix_cache_hits = self.kv.prefix_queries, self.kv.prefix_hits
         return s
+
+    def reset_stats(self) -> None:
+        from compression.stage import RoundStats
+
+        self.counters = EngineStats(num_blocks=self.kv.pool.num_blocks)
+        self.compression.stats = RoundStats()
+        self.kv.prefix_queries = self.kv.prefix_hits = 0
+        self.scheduler.recomputed_tokens = 0
 
     def check_invariants(self) -> None:
         """KV-manager invariants (exact block counts, ref counts = table references), and no block in use once
@@ -258,4 +291,12 @@ class EngineCore:
         lines = [self.kv_cache.capacity_line(self.max_model_len)]
         lines.extend(self.compression.capacity_lines(self.kv_cache.num_tokens, self.max_model_len))
         lines.append(f"Prefix caching: {'on' if self.kv.enable_prefix_caching else 'off'}")
+        c, sc = self.config, self.scheduler.config
+        host = self.kv.host_pool.num_blocks if self.kv.host_pool is not None else 0
+        lines.append(f"Scheduler: {sc.scheduling_policy} admission"
+                     + (f" (optimism {sc.admission_optimism}, projected output "
+                        f"{sc.projected_output_len or 'max_tokens'})" if sc.scheduling_policy != "fcfs" else "")
+                     + f"; under memory pressure: {'compress, then ' if c.compress_before_preempt else ''}preempt "
+                       f"the {sc.preemption_victim} victim by {sc.preemption_mode}"
+                     + (f" (swap space {host} blocks)" if host and sc.preemption_mode != "recompute" else ""))
         return lines

@@ -20,7 +20,7 @@ import torch
 from engine.config import EngineConfig, cpu_has_fast_bf16, parse_dtype, parse_memory  # noqa: F401 (re-exported)
 from engine.core import EngineCore
 from engine.errors import EngineDeadError, InvalidRequestError
-from engine.outputs import EngineStats, RequestOutput
+from engine.outputs import EngineStats, RequestOutput  # noqa: F401 (EngineStats re-exported)
 from engine.request import AbortRequest, AddRequest, InboxMessage, Request
 from engine.sampling_params import SamplingParams
 
@@ -288,9 +288,7 @@ class Engine:
                 self.abort(req.request_id)
 
     def reset_stats(self) -> None:
-        self.core.counters = EngineStats(num_blocks=self.core.kv.pool.num_blocks)
-        self.core.compression.stats = type(self.core.compression.stats)()
-        self.core.kv.prefix_queries = self.core.kv.prefix_hits = 0
+        self.core.reset_stats()
 
     def stats(self) -> EngineStats:
         return self.core.stats()

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.base import AttentionBackend, build_metadata
+from engine.attention.base import AttentionBackend, QueryCapture, build_metadata
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from paging.kv_cache import KVCache
@@ -18,6 +18,8 @@ class StepResult:
     logits: torch.Tensor | None = None  # float32 [len(sample_seqs), V]: next-token logits
     # Teacher-forced scoring: per sequence, log p(token[t] | tokens[:t]) for the positions this step covered.
     scored: list[tuple[Sequence, list[float]]] = field(default_factory=list)
+    # query_source="cache": (sequence, first logical position, post-RoPE queries [L, n, Hq, D]) of its new tokens
+    captured: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -44,6 +46,8 @@ class ModelRunner:
         score_rows: list[int] = []
         score_targets: list[int] = []
         score_spans: list[tuple[Sequence, int]] = []
+        capture_rows: list[int] = []
+        capture_spans: list[tuple[Sequence, int, int]] = []
         for item in scheduled:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
@@ -62,6 +66,12 @@ class ModelRunner:
             if item.completes_prefill:
                 sample_rows.append(len(input_ids) - 1)
                 result.sample_seqs.append(seq)
+            st = seq.compression
+            if st is not None and st.caches_queries:  # tokens compression may later score keep their queries
+                first = max(start, st.start)
+                if first < start + n:
+                    capture_rows.extend(range(row0 + first - start, row0 + n))
+                    capture_spans.append((seq, first, start + n - first))
 
         meta = build_metadata(
             [s.seq.block_table for s in scheduled],
@@ -71,9 +81,16 @@ class ModelRunner:
             self.device,
         )
         self._plan(meta)
+        if capture_rows:
+            meta.capture = QueryCapture(torch.tensor(capture_rows, device=self.device), self.config.num_layers)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.kv_cache.layers, self.attn, meta)
+        if capture_rows:
+            k = 0
+            for seq, first, count in capture_spans:
+                result.captured.append((seq, first, meta.capture.out[:, k:k + count]))
+                k += count
         if sample_rows:
             result.logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         if score_rows:

@@ -57,6 +57,13 @@ class EngineStats:
     engine_seconds: float = 0.0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which were found there
+    compression_on_demand_rounds: int = 0  # rounds run before a preemption, regardless of the period
+    queries_cached: int = 0  # window tokens whose queries came from the query cache
+    queries_recomputed: int = 0  # window tokens whose queries were recomputed
+    query_cache_bytes: int = 0  # held now by the running sequences' query caches
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    recomputed_tokens: int = 0  # computed tokens thrown away by recompute preemptions
 
     @property
     def compression_retention(self) -> float | None:

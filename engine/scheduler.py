@@ -1,18 +1,33 @@
 """Continuous batching: which sequences run this step, with how many tokens.
 
 One token budget per step covers decodes and (chunked) prefills together, vLLM-v1 style: running sequences
-first, in admission order, then waiting ones. KV slots come from the KV cache manager (paging/kv_cache_manager.py):
-a running sequence that cannot get its slots preempts the most recently admitted running sequence (possibly
-itself): its blocks are freed and it goes back to the front of the waiting queue to be recomputed from prompt +
-generated tokens. A waiting sequence starts from the longest cached prefix of its prompt.
+first, in admission order, then waiting ones. KV slots come from the KV cache manager (paging/kv_cache_manager.py).
+
+Memory pressure, cheapest remedy first:
+1. Compress before preempting: if the running sequences' slots for this step do not fit, `reclaim` (the compression
+   stage, given by the engine) compresses the complete windows of their uncompressed tails now, whatever their period.
+2. Preemption: the victim is the not-yet-scheduled running sequence whose eviction costs least (``"cheapest"``:
+   recomputing its tokens, or copying its blocks to host memory and back, by the measured costs) or the newest
+   (``"newest"``, vLLM's LIFO). A recomputed sequence goes back to the front of the waiting queue with its prompt
+   and outputs; a swapped one keeps its KV in host memory and resumes where it was.
+Admission: ``"fcfs"`` admits whenever the first chunk fits (and a watermark stays free while others run);
+``"compression-aware"`` also requires the projected peak footprint of all running sequences plus the new one, each
+under its own compression setting and up to its remaining `max_tokens`, to fit the pool times `admission_optimism`.
+A waiting sequence starts from the longest cached prefix of its prompt.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.sequence import Sequence, SequenceStatus
 from paging.kv_cache_manager import KVCacheManager
+
+SCHEDULING_POLICIES = ("fcfs", "compression-aware")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+PREEMPTION_VICTIMS = ("cheapest", "newest")
 
 
 @dataclass
@@ -20,6 +35,12 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     watermark_blocks: int = 1  # free blocks kept back when admitting new sequences
+    scheduling_policy: str = "fcfs"
+    admission_optimism: float = 1.0  # compression-aware: admit while projected blocks <= pool * this
+    projected_output_len: int | None = None  # compression-aware: expected outputs when max_tokens is larger
+    max_model_len: int = 1 << 30
+    preemption_mode: str = "auto"
+    preemption_victim: str = "cheapest"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -27,6 +48,27 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.watermark_blocks < 0:
             raise ValueError(f"watermark_blocks must be >= 0, got {self.watermark_blocks}")
+        for name, allowed in (("scheduling_policy", SCHEDULING_POLICIES), ("preemption_mode", PREEMPTION_MODES),
+                              ("preemption_victim", PREEMPTION_VICTIMS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        if not self.admission_optimism > 0:
+            raise ValueError(f"admission_optimism must be > 0, got {self.admission_optimism!r}")
+        if self.projected_output_len is not None and self.projected_output_len < 1:
+            raise ValueError(f"projected_output_len must be >= 1, got {self.projected_output_len!r}")
+
+
+@dataclass
+class PreemptionCosts:
+    """Seconds to recompute one token and to copy one block one way; the engine measures both as it runs."""
+    seconds_per_token: float = 1e-3
+    seconds_per_block: float = 1e-5
+
+    def recompute(self, seq: Sequence) -> float:
+        return seq.num_computed_tokens * self.seconds_per_token
+
+    def swap(self, seq: Sequence) -> float:
+        return 2 * len(seq.block_table) * self.seconds_per_block  # out now, in later
 
 
 @dataclass
@@ -44,6 +86,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    swapped_out: int = 0  # blocks copied to host memory
+    swapped_in: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -54,12 +98,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 reclaim: Callable[[list[Sequence], int], int] | None = None):
         self.config = config
         self.kv = kv
+        self.reclaim = reclaim  # (running sequences, blocks wanted) -> blocks freed by compressing now
+        self.costs = PreemptionCosts()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.recomputed_tokens = 0  # computed tokens thrown away by recompute preemptions
 
     # -- queue management -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -91,19 +139,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._reclaim_if_short(budget)
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._chunk(seq, budget, seq.num_computed_tokens)
             while not self.kv.allocate_slots(seq, n):
-                victim = self.running[-1]
-                self.preempt(victim)
-                out.preempted.append(victim)
+                victim = self._victim(i)
+                self.preempt(victim, out)
                 if victim is seq:
                     break
             if seq.status != SequenceStatus.RUNNING:
-                break  # it preempted itself: everything after it is gone too
+                continue  # it preempted itself; the next sequence now sits at index i
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
@@ -111,35 +159,121 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
-                cached = self.kv.find_cached_prefix(seq)
-                cached_tokens = len(cached) * self.kv.block_size
-                n = self._chunk(seq, budget, cached_tokens)
-                # The watermark keeps headroom for running sequences to grow; with none running it would only
-                # stop a request that needs (nearly) the whole pool from ever starting.
-                watermark = self.config.watermark_blocks if self.running else 0
-                if not self.kv.allocate_slots(seq, n, cached, watermark):
+                if not self._admissible(seq):
                     break
-                self.waiting.popleft()
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = cached_tokens
-                seq.num_computed_tokens = cached_tokens
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
+                n = self._admit(seq, budget, out)
+                if n == 0:
+                    break
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
         return out
 
-    def preempt(self, seq: Sequence) -> None:
-        """Preemption by recompute: free the KV cache; the prompt and outputs stay."""
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Give a waiting sequence its blocks and its first chunk (0: it does not fit now)."""
+        # The watermark keeps headroom for running sequences to grow; with none running it would only stop a
+        # request that needs (nearly) the whole pool from ever starting.
+        watermark = self.config.watermark_blocks if self.running else 0
+        if seq.swapped:
+            n = self._chunk(seq, budget, seq.num_computed_tokens)
+            need = -(-(seq.kv_len + n) // self.kv.block_size)
+            if need + watermark > self.kv.num_free_blocks:
+                return 0
+            out.swapped_in += self.kv.swap_in(seq)
+            assert self.kv.allocate_slots(seq, n)
+        else:
+            cached = self.kv.find_cached_prefix(seq)
+            cached_tokens = len(cached) * self.kv.block_size
+            n = self._chunk(seq, budget, cached_tokens)
+            if not self.kv.allocate_slots(seq, n, cached, watermark):
+                return 0
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = cached_tokens
+            seq.num_computed_tokens = cached_tokens
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return n
+
+    # -- memory pressure ---------------------------------------------------------------------------------
+    def _reclaim_if_short(self, budget: int) -> None:
+        """Compress before preempting: if this step's running sequences need more blocks than are free."""
+        if self.reclaim is None or not self.running:
+            return
+        need = 0
+        for seq in self.running:
+            if budget <= 0:
+                break
+            n = self._chunk(seq, budget, seq.num_computed_tokens)
+            need += self.kv.blocks_needed(seq, n)
+            budget -= n
+        short = need - self.kv.num_free_blocks
+        if short > 0:
+            self.reclaim(self.running, short)
+
+    def _victim(self, i: int) -> Sequence:
+        """Among the running sequences not yet scheduled this step (index >= i, the asking one included)."""
+        if self.config.preemption_victim == "newest":
+            return self.running[-1]
+        return min(reversed(self.running[i:]), key=self._eviction_cost)  # ties: the newest
+
+    def _swaps(self, seq: Sequence) -> bool:
+        mode = self.config.preemption_mode
+        if mode == "recompute" or not self.kv.can_swap_out(seq):
+            return False
+        return mode == "swap" or self.costs.swap(seq) < self.costs.recompute(seq)
+
+    def _eviction_cost(self, seq: Sequence) -> float:
+        return self.costs.swap(seq) if self._swaps(seq) else self.costs.recompute(seq)
+
+    def preempt(self, seq: Sequence, out: SchedulerOutput | None = None, swap: bool | None = None) -> None:
+        """Swap the sequence's KV to host memory (it resumes where it was) or free it for a recompute from its
+        prompt and outputs, whichever the mode and the costs say (or `swap`, when given)."""
+        swap = self._swaps(seq) if swap is None else swap
         self.running.remove(seq)
-        self.kv.free(seq, finished=False)
-        seq.num_computed_tokens = 0
-        if seq.compression is not None:
-            seq.compression.on_preempt()
+        if swap:
+            moved = self.kv.swap_out(seq)
+            if out is not None:
+                out.swapped_out += moved
+        else:
+            self.recomputed_tokens += seq.num_computed_tokens
+            self.kv.free(seq, finished=False)
+            seq.num_computed_tokens = 0
+            if seq.compression is not None:
+                seq.compression.on_preempt()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        if out is not None:
+            out.preempted.append(seq)
+
+    # -- compression-aware admission --------------------------------------------------------------------
+    def projected_blocks(self, seq: Sequence) -> int:
+        """Blocks the sequence will hold at its peak: up to its remaining max_tokens (or the projected output
+        length), under its compression setting."""
+        p = seq.params
+        limit = p.max_tokens if p.max_tokens is not None else self.config.max_model_len - seq.num_prompt_tokens
+        if self.config.projected_output_len is not None:
+            limit = min(limit, self.config.projected_output_len)
+        final = seq.num_prompt_tokens + max(limit, seq.num_outputs)
+        st = seq.compression
+        if st is None:
+            peak = final
+        elif st.config.policy == "threshold":
+            peak = min(final, st.config.threshold_max)
+        else:
+            # a compressed region of n tokens keeps `kept`; the tail before a round is at most |W| + period
+            c = st.config
+            grown = max(0, final - st.start)
+            tail = min(grown, c.window + c.compression_period)
+            peak = st.start + math.ceil((grown - tail) * st.kept_per_window / c.region_len) + tail
+        return -(-peak // self.kv.block_size)
+
+    def _admissible(self, seq: Sequence) -> bool:
+        if self.config.scheduling_policy == "fcfs" or not self.running:
+            return True
+        total = sum(self.projected_blocks(s) for s in self.running) + self.projected_blocks(seq)
+        return total <= self.kv.pool.num_blocks * self.config.admission_optimism
 
     def commit(self, scheduled: list[ScheduledSeq]) -> None:
         """Record that the scheduled tokens' K/V are now in the cache."""

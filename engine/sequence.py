@@ -61,6 +61,7 @@ class Sequence:
     # num_computed_tokens until compression shrinks it).
     block_table: list[int] = field(default_factory=list)
     kv_len: int = 0
+    host_block_table: list[int] = field(default_factory=list)  # swapped out: its KV in host memory
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request seed: sampling independent of the batch
@@ -107,6 +108,10 @@ class Sequence:
     def num_pending_tokens(self) -> int:
         """Tokens whose KV is not computed yet: the rest of the prompt, or the last sampled token."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def swapped(self) -> bool:
+        return bool(self.host_block_table)
 
     @property
     def in_prefill(self) -> bool:

@@ -26,10 +26,19 @@ if TYPE_CHECKING:
 
 
 class KVCacheManager:
-    def __init__(self, kv_cache: KVCache, enable_prefix_caching: bool = True):
+    def __init__(self, kv_cache: KVCache, enable_prefix_caching: bool = True, host_blocks: int = 0):
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.pool = BlockPool(kv_cache.num_blocks)
+        # Swap space (vLLM's swap preemption): a second block store in host memory (pinned on CUDA so copies can
+        # run asynchronously), allocated lazily by the OS as blocks are first written.
+        self.host: torch.Tensor | None = None
+        self.host_pool: BlockPool | None = None
+        if host_blocks > 0:
+            d = kv_cache.data
+            pin = d.device.type == "cuda"
+            self.host = torch.empty((d.shape[0], host_blocks, *d.shape[2:]), dtype=d.dtype, pin_memory=pin)
+            self.host_pool = BlockPool(host_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self._keys: dict[int, list[int]] = {}  # seq_id -> keys of its cacheable prompt blocks
         self._registered: dict[int, int] = {}  # seq_id -> leading blocks of its table already offered to the cache
@@ -125,10 +134,45 @@ class KVCacheManager:
         block keys for its re-admission."""
         self.pool.free(seq.block_table)
         seq.block_table = []
+        if seq.host_block_table:
+            self.host_pool.free(seq.host_block_table)
+            seq.host_block_table = []
         seq.kv_len = 0
         self._registered.pop(seq.seq_id, None)
         if finished:
             self._keys.pop(seq.seq_id, None)
+
+    # -- swapping -----------------------------------------------------------------------------------------
+    def can_swap_out(self, seq: "Sequence") -> bool:
+        return self.host_pool is not None and 0 < len(seq.block_table) <= self.host_pool.num_free
+
+    def swap_out(self, seq: "Sequence") -> int:
+        """Copy a sequence's blocks to host memory and free them; its KV length, and everything that depends on
+        the cache (compression frontier, positions), stay as they are. Returns the blocks moved."""
+        table = seq.block_table
+        host = self.host_pool.allocate(len(table))
+        src = torch.tensor(table, device=self.kv_cache.data.device)
+        self.host[:, torch.tensor(host)] = self.kv_cache.data[:, src].to("cpu", non_blocking=self.host.is_pinned())
+        if self.host.is_pinned():
+            torch.cuda.current_stream(self.kv_cache.data.device).synchronize()
+        self.pool.free(table)
+        seq.block_table = []
+        seq.host_block_table = host
+        self._registered.pop(seq.seq_id, None)
+        return len(host)
+
+    def swap_in(self, seq: "Sequence") -> int:
+        """Bring a swapped sequence's KV back into fresh device blocks (bit-identical). The caller checked that
+        enough blocks are free. Returns the blocks moved."""
+        host = seq.host_block_table
+        dev = self.pool.allocate(len(host))
+        dst = torch.tensor(dev, device=self.kv_cache.data.device)
+        self.kv_cache.data[:, dst] = self.host[:, torch.tensor(host)].to(self.kv_cache.data.device, non_blocking=True)
+        self.host_pool.free(host)
+        seq.host_block_table = []
+        seq.block_table = dev
+        self._registered[seq.seq_id] = len(dev)  # private copies: never offered to the prefix cache again
+        return len(dev)
 
     # -- compression --------------------------------------------------------------------------------------
     def gather_keys(self, seq: "Sequence", start: int, length: int) -> torch.Tensor:
@@ -182,5 +226,14 @@ class KVCacheManager:
             for i, b in enumerate(seq.block_table):
                 if self.pool.ref_counts[b] > 1 or self.pool.is_cached(b):
                     assert i < protected, f"{seq.request_id}: shared or cached block {b} past its protected prefix"
+        host_refs = Counter(b for seq in waiting for b in seq.host_block_table)
         for seq in waiting:
-            assert not seq.block_table and seq.kv_len == 0, f"waiting {seq.request_id} holds KV blocks"
+            assert not seq.block_table, f"waiting {seq.request_id} holds KV blocks"
+            if seq.host_block_table:
+                assert len(seq.host_block_table) == -(-seq.kv_len // self.block_size), f"{seq.request_id}: host table"
+            else:
+                assert seq.kv_len == 0, f"waiting {seq.request_id} has a KV length but no blocks"
+        if self.host_pool is not None:
+            self.host_pool.check_invariants()
+            for b, rc in enumerate(self.host_pool.ref_counts):
+                assert host_refs.get(b, 0) == rc, f"host block {b}: ref count {rc}, {host_refs.get(b, 0)} tables"

@@ -26,6 +26,7 @@ _COMPRESSION_FLAGS = {
     "compression_period": "compression_period",
     "threshold_max": "threshold_max",
     "threshold_target": "threshold_target",
+    "compression_query_source": "query_source",
 }
 
 
@@ -70,6 +71,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV blocks of cached prompt prefixes (default: on)")
+    m = p.add_argument_group("memory pressure")
+    m.add_argument("--scheduling-policy", choices=["fcfs", "compression-aware"], default=None,
+                   help="fcfs: admit when the first chunk fits; compression-aware: also when the projected peak "
+                        "footprint of all running sequences (under their compression) fits (default: fcfs)")
+    m.add_argument("--admission-optimism", type=float, default=None,
+                   help="compression-aware: admit while projected blocks <= pool x this (default 1.0)")
+    m.add_argument("--projected-output-len", type=_positive_int, default=None,
+                   help="compression-aware: project at most this many output tokens per request")
+    m.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], default=None,
+                   help="auto: swap to host memory when copying is cheaper than recomputing (default: auto)")
+    m.add_argument("--swap-space", default=None, help="host memory for swapped KV blocks, e.g. 4GiB (default 1GiB)")
+    m.add_argument("--compress-before-preempt", action=argparse.BooleanOptionalAction, default=None,
+                   help="run a compression round on demand before preempting (default: on)")
     p.add_argument("--max-queued-requests", type=_nonneg_int, default=None,
                    help="reject with 503 + Retry-After while this many requests wait (default: unbounded)")
     c = p.add_argument_group("KV compression (per-request overrides: the kv_compression body field)")
@@ -82,6 +96,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--kara-chunk-max", type=int, default=None, help="γ: largest gap Token2Chunk fills")
     c.add_argument("--kara-chunk-budget", type=int, default=None, help="α: tokens Token2Chunk adds per window")
     c.add_argument("--compression-period", type=int, default=None, help="decode steps between rounds")
+    c.add_argument("--compression-query-source", choices=["auto", "recompute", "cache"], default=None,
+                   help="where a round's window queries come from (auto: cache on CPU, recompute on CUDA)")
     c.add_argument("--compress-prompt", action="store_true", default=None,
                    help="also compress the prompt after prefill")
     c.add_argument("--threshold-max", type=int, default=None, help="threshold method: KV length that triggers")
@@ -128,7 +144,9 @@ def compression_from_args(args: argparse.Namespace) -> Any:
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     for name in ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
-                 "max_num_seqs", "max_num_batched_tokens", "attention_backend", "seed", "enable_prefix_caching"):
+                 "max_num_seqs", "max_num_batched_tokens", "attention_backend", "seed", "enable_prefix_caching",
+                 "scheduling_policy", "admission_optimism", "projected_output_len", "preemption_mode", "swap_space",
+                 "compress_before_preempt"):
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v

@@ -56,6 +56,10 @@ class EngineStatsCollector(Collector):
         ("compression_blocks_freed", "compression_blocks_freed", "KV blocks freed by compression."),
         ("compression_tokens_evicted", "compression_tokens_evicted", "KV tokens evicted by compression."),
         ("compression_seconds", "compression_seconds", "Wall time spent compressing (seconds)."),
+        ("compression_on_demand_rounds", "compression_on_demand_rounds",
+         "Compression rounds run on demand before a preemption."),
+        ("swapped_out_blocks", "swapped_out_blocks", "KV blocks swapped out to host memory by preemptions."),
+        ("recomputed_tokens", "recomputed_tokens", "Computed tokens thrown away by recompute preemptions."),
         ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of prompt tokens looked up."),
         ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of prompt tokens found cached."),
     )

@@ -183,9 +183,13 @@ def test_prompt_compression(make_engine):
         eng.step()
 
 
-@pytest.mark.parametrize("method,recomputes", [("kara", True), ("streaming", False), ("random", False)])
-def test_query_recomputation_only_for_selectors_that_use_queries(make_engine, monkeypatch, method, recomputes):
-    eng = make_engine(kv_compression=KARA if method == "kara" else {"method": method, **SMALL}, num_kv_blocks=64)
+@pytest.mark.parametrize("method,source,recomputes", [("kara", "recompute", True), ("kara", "cache", False),
+                                                      ("streaming", "recompute", False),
+                                                      ("random", "recompute", False)])
+def test_query_recomputation_only_for_selectors_that_use_queries(make_engine, monkeypatch, method, source,
+                                                                 recomputes):
+    cfg = KARA if method == "kara" else {"method": method, **SMALL}
+    eng = make_engine(kv_compression={**cfg, "query_source": source}, num_kv_blocks=64)
     calls = []
     real = eng.core.runner.recompute_queries
     monkeypatch.setattr(eng.core.runner, "recompute_queries", lambda spans: calls.append(len(spans)) or real(spans))
@@ -193,11 +197,13 @@ def test_query_recomputation_only_for_selectors_that_use_queries(make_engine, mo
     st = eng.stats()
     assert st.compression_rounds >= 2 and st.compression_tokens_evicted == st.compression_tokens_seen // 12 * 7
     assert bool(calls) == recomputes
+    if method == "kara":  # the window tokens' queries come from one place or the other
+        assert (st.queries_cached > 0) == (source == "cache") and (st.queries_recomputed > 0) == recomputes
 
 
 def _preempt_and_reprefill(eng, seq):
     """Force a recompute preemption of `seq`, then step until its re-prefill completed."""
-    eng.core.scheduler.preempt(seq)
+    eng.core.scheduler.preempt(seq, swap=False)  # recompute (swap would keep the cache)
     assert seq.compression.pending and seq.kv_len == 0 and seq.block_table == []
     rounds = eng.stats().compression_rounds
     while seq.num_pending_tokens > 1:  # the re-prefill of prompt + outputs

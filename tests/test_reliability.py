@@ -64,7 +64,7 @@ def test_kara_inside_the_engine_matches_an_independent_float64_reference(make_en
     log-probs."""
     from reference_decoder import ReferenceDecoder
 
-    eng = make_engine(kv_compression=KARA)
+    eng = make_engine(kv_compression={**KARA, "query_source": "recompute"})  # the paper's way, as the reference
     prompt = [7, 19, 33, 41, 5, 8, 90, 12, 64, 3, 27, 101, 55, 18, 77, 46, 9, 120, 31, 14]
     N, P = 56, len(prompt)
     out = eng.generate([prompt], greedy(N, logprobs=0), use_tqdm=False)[0].outputs[0]

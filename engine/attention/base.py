@@ -14,6 +14,23 @@ from typing import Protocol, Sequence
 import torch
 
 
+class QueryCapture:
+    """Collects the post-RoPE queries of chosen tokens from every layer during a forward pass (the compression stage's
+    `query_source="cache"`). Attention layers call `add(q)` in layer order."""
+
+    def __init__(self, rows: torch.Tensor, num_layers: int):
+        self.rows = rows  # [n] flat token indices of the step
+        self.num_layers = num_layers
+        self.out: torch.Tensor | None = None  # [L, n, Hq, D]
+        self._layer = 0
+
+    def add(self, q: torch.Tensor) -> None:
+        if self.out is None:
+            self.out = q.new_empty(self.num_layers, self.rows.numel(), *q.shape[1:])
+        self.out[self._layer] = q.index_select(0, self.rows)
+        self._layer += 1
+
+
 @dataclass
 class AttentionMetadata:
     block_size: int
@@ -29,6 +46,7 @@ class AttentionMetadata:
     q_lens: list[int]
     kv_lens: list[int]
     block_tables: list[list[int]]
+    capture: QueryCapture | None = None
 
     @property
     def num_seqs(self) -> int:

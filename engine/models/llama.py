@@ -107,6 +107,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if meta.capture is not None:
+            meta.capture.add(q)
         o = attn.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
 
