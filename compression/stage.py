@@ -74,6 +74,9 @@ class CompressionStage:
         self.device_type = device_type  # resolves query_source="auto"
         self._compressors: dict[KVCompressionConfig, Any] = {}
         self.stats = RoundStats()
+        # Tensor parallelism sets this (engine/distributed/driver.py): called with ("window" | "threshold", the
+        # sequences) before a round touches the KV cache, so that every rank runs this same round on its KV heads.
+        self.round_hook: Callable[[str, list], None] | None = None
 
     # -- per-request settings -----------------------------------------------------------------------------
     def resolve(self, value: Any) -> KVCompressionConfig | None:
@@ -164,6 +167,8 @@ class CompressionStage:
     # -- periodic window compression ----------------------------------------------------------------------
     def run_window_round(self, candidates: list[Sequence], kv: KVManager, queries: QueryFn) -> int:
         """Compress every complete window of each candidate's tail; returns the blocks freed."""
+        if self.round_hook is not None:
+            self.round_hook("window", candidates)
         t0 = time.perf_counter()
         picked = []
         for seq in candidates:
@@ -231,6 +236,8 @@ class CompressionStage:
 
     # -- threshold baseline -------------------------------------------------------------------------------
     def run_threshold(self, seqs: list[Sequence], kv: KVManager, queries: QueryFn) -> int:
+        if self.round_hook is not None:
+            self.round_hook("threshold", seqs)
         t0 = time.perf_counter()
         q_all = queries([(s, s.num_computed_tokens - s.compression.config.observation_window,
                           s.compression.config.observation_window) for s in seqs])

@@ -79,11 +79,14 @@ class EngineConfig:
     preemption_mode: str = "auto"
     compress_before_preempt: bool = True
     swap_space: int | str = "1GiB"  # host memory for swapped-out KV blocks (0: recompute only)
+    # tensor parallelism (engine/distributed/): ranks 1..N-1 run in spawned worker processes
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
         if self.num_kv_blocks is not None:
@@ -104,29 +107,38 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {self.max_model_len!r}")
         return self.max_model_len or limit
 
-    def resolve_num_blocks(self, model_config, dtype: torch.dtype, device: torch.device) -> int:
+    def resolve_num_blocks(self, model_config, dtype: torch.dtype, device: torch.device,
+                           num_kv_heads: int | None = None) -> int:
+        """KV blocks this process can hold. Under tensor parallelism each rank stores only its `num_kv_heads`, and
+        `kv_cache_memory` (and the CPU default, 2 GiB) is for the whole engine, split evenly over the ranks: an even
+        head split then gives every tensor-parallel size the same number of blocks. The CUDA default is 80% of each
+        rank's own free device memory."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         c = model_config
+        heads = c.num_kv_heads if num_kv_heads is None else num_kv_heads
         if self.kv_cache_memory is not None:
-            budget = parse_memory(self.kv_cache_memory)
+            budget = parse_memory(self.kv_cache_memory) // self.tensor_parallel_size
         elif device.type == "cuda":
             budget = int(torch.cuda.mem_get_info(device)[0] * 0.8)
         else:
-            budget = 2 * 2**30
-        n = num_blocks_for_memory(budget, c.num_layers, self.block_size, c.num_kv_heads, c.head_dim, dtype)
+            budget = 2 * 2**30 // self.tensor_parallel_size
+        n = num_blocks_for_memory(budget, c.num_layers, self.block_size, heads, c.head_dim, dtype)
         if n < 1:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r} is smaller than one KV block "
-                             f"({bytes_per_block(c.num_layers, self.block_size, c.num_kv_heads, c.head_dim, dtype)} "
+                             f"({bytes_per_block(c.num_layers, self.block_size, heads, c.head_dim, dtype)} "
                              f"bytes)")
         return n
 
-    def host_blocks(self, model_config, dtype: torch.dtype) -> int:
+    def host_blocks(self, model_config, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+        """Swap-space blocks of this rank's KV heads: `swap_space` is host memory for the whole engine, split evenly
+        over the tensor-parallel ranks (they share one host)."""
         if self.swap_space in (0, "0"):
             return 0
         c = model_config
-        return num_blocks_for_memory(parse_memory(self.swap_space), c.num_layers, self.block_size, c.num_kv_heads,
-                                     c.head_dim, dtype)
+        heads = c.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return num_blocks_for_memory(parse_memory(self.swap_space) // self.tensor_parallel_size, c.num_layers,
+                                     self.block_size, heads, c.head_dim, dtype)
 
     def fit_max_model_len(self, max_model_len: int, num_blocks: int) -> int:
         """One request must always fit the pool, or it would preempt itself forever."""

@@ -32,22 +32,45 @@ logger = logging.getLogger("kvllm")
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        from engine.loader import load_model
-
         self.config = config
         self.device = config.resolve_device()
         self.dtype = parse_dtype(config.dtype, self.device)
-        self.model, self.model_config, self.tokenizer = load_model(config.model, self.dtype, self.device)
+        self.driver = None  # tensor parallelism: rank 0's link to the worker ranks (engine/distributed/driver.py)
+        try:
+            self._build(config)
+        except BaseException:
+            if self.driver is not None:
+                self.driver.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        from engine.loader import load_model
+
+        if config.tensor_parallel_size > 1:
+            from engine.distributed.driver import DriverKVCacheManager, TPDriver
+
+            self.driver = TPDriver(config.tensor_parallel_size, self.device)
+            self.device = self.driver.device
+            self.model, self.model_config, self.tokenizer, num_blocks, host_blocks = self.driver.start(config,
+                                                                                                       self.dtype)
+            kv_manager = DriverKVCacheManager
+        else:
+            self.model, self.model_config, self.tokenizer = load_model(config.model, self.dtype, self.device)
+            num_blocks = config.resolve_num_blocks(self.model_config, self.dtype, self.device)
+            host_blocks = config.host_blocks(self.model_config, self.dtype)
+            kv_manager = KVCacheManager
         cfg = self.model_config
         max_model_len = config.resolve_max_model_len(cfg.max_position_embeddings)
-        num_blocks = config.resolve_num_blocks(cfg, self.dtype, self.device)
         self.max_model_len = config.fit_max_model_len(max_model_len, num_blocks)
-        self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                self.dtype, self.device)
-        self.kv = KVCacheManager(self.kv_cache, config.enable_prefix_caching, config.host_blocks(cfg, self.dtype))
+        self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, self.model.num_local_kv_heads,
+                                cfg.head_dim, self.dtype, self.device)
+        self.kv = kv_manager(self.kv_cache, config.enable_prefix_caching, host_blocks)
         self.attn = get_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, cfg, self.kv_cache, self.attn, self.device, self.dtype)
         self.compression = CompressionStage(config.kv_compression, self.device.type)
+        if self.driver is not None:
+            self.driver.check_compression(self.compression.default)
+            self.driver.attach(self.runner, self.compression, self.kv)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             watermark_blocks=int(config.watermark * num_blocks),
@@ -105,7 +128,9 @@ class EngineCore:
         ids = self.encode_prompt(prompt)
         self.validate(ids, params)
         try:
-            self.compression.resolve(params.kv_compression)
+            cfg = self.compression.resolve(params.kv_compression)
+            if self.driver is not None:
+                self.driver.check_compression(cfg)
         except ValueError as err:
             raise InvalidRequestError(str(err), getattr(err, "param", "kv_compression")) from None
         seqs = []
@@ -287,8 +312,15 @@ class EngineCore:
             assert not self.scheduler.has_work(), "sequences left without a request"
             assert self.kv.num_free_blocks == self.kv.pool.num_blocks, "blocks leaked after all requests finished"
 
+    def shutdown(self, graceful: bool = True, destroy: bool = True) -> None:
+        """Stop the tensor-parallel workers (nothing to do with one process)."""
+        if self.driver is not None:
+            self.driver.shutdown(graceful, destroy)
+
     def capacity_log_lines(self) -> list[str]:
         lines = [self.kv_cache.capacity_line(self.max_model_len)]
+        if self.driver is not None:
+            lines.extend(self.driver.log_lines())
         lines.extend(self.compression.capacity_lines(self.kv_cache.num_tokens, self.max_model_len))
         lines.append(f"Prefix caching: {'on' if self.kv.enable_prefix_caching else 'off'}")
         c, sc = self.config, self.scheduler.config

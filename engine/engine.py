@@ -30,7 +30,9 @@ logger = logging.getLogger("kvllm")
 class Engine:
     """``Engine(model="smollm2", dtype="auto", device=None, block_size=16, num_kv_blocks=None,
     kv_cache_memory=None, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=None, kv_compression=None,
-    attention_backend="auto", watermark=0.01, enable_prefix_caching=True, seed=0)``; see engine/config.py."""
+    attention_backend="auto", watermark=0.01, enable_prefix_caching=True, seed=0, tensor_parallel_size=1)``; see
+    engine/config.py. With ``tensor_parallel_size=N > 1`` this process is rank 0 and N - 1 worker processes are
+    spawned (engine/distributed/driver.py); call `shutdown()` to stop them."""
 
     def __init__(self, model: str = "smollm2", **kwargs: Any):
         self.config = EngineConfig(model=model, **kwargs)
@@ -43,6 +45,9 @@ class Engine:
         self._stopping = False
         self._dead: BaseException | None = None
         self._ids = itertools.count()
+        self._shut = False
+        if self.core.driver is not None:  # tensor parallelism: a worker that dies kills the engine at once
+            self.core.driver.start_monitor(self._worker_died)
         for line in self.capacity_log_lines():
             logger.info(line)
 
@@ -125,7 +130,13 @@ class Engine:
         """Run one batch; returns the outputs of requests that finished in it."""
         with self._step_lock, torch.inference_mode():
             self._drain_inbox()
-            return self.core.step()
+            if self.core.driver is None:
+                return self.core.step()
+            try:
+                return self.core.step()
+            except BaseException as err:  # the ranks are out of step for good: stop them, report the cause
+                self._dead = self.core.driver.stop_after_error(err)
+                raise self._dead from err
 
     # -- driving ------------------------------------------------------------------------------------------
     def _check_alive(self) -> None:
@@ -134,6 +145,11 @@ class Engine:
 
     def is_healthy(self) -> bool:
         return self._dead is None
+
+    def _worker_died(self, err: BaseException) -> None:
+        """From the tensor-parallel monitor thread: unhealthy now; the loop fails what is pending."""
+        self._dead = err
+        self._wakeup.set()
 
     def start(self) -> None:
         """Run the step loop in a background thread (idempotent)."""
@@ -144,6 +160,9 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping:
+            if self._dead is not None:  # a tensor-parallel worker died while the loop waited
+                self._fail_all(self._dead)
+                return
             if not self.has_unfinished_requests():
                 self._wakeup.wait(0.05)
                 self._wakeup.clear()
@@ -153,10 +172,13 @@ class Engine:
             except BaseException as err:  # the loop is dead: fail every request, queued ones too
                 logger.exception("engine loop died")
                 self._dead = err
-                for req in list(self.core.requests.values()):
-                    self.core.fail(req, EngineDeadError(str(err)), owned=False)
-                self._fail_inbox()
+                self._fail_all(err)
                 return
+
+    def _fail_all(self, err: BaseException) -> None:
+        for req in list(self.core.requests.values()):
+            self.core.fail(req, EngineDeadError(str(err)), owned=False)
+        self._fail_inbox()
 
     def _fail_inbox(self) -> None:
         err = EngineDeadError(f"the engine loop died: {self._dead!r}")
@@ -169,11 +191,24 @@ class Engine:
                 self.core.fail(msg.request, err, owned=False)
 
     def shutdown(self) -> None:
+        """Stop the loop thread, then the tensor-parallel workers, if any (idempotent)."""
         self._stopping = True
         self._wakeup.set()
+        stuck = False
         if self._thread is not None:
             self._thread.join(timeout=10)
+            stuck = self._thread.is_alive()
             self._thread = None
+        if self.core.driver is not None and not self._shut:
+            self._shut = True
+            # only the thread that steps may message the workers: take the step lock unless a step is stuck
+            if not stuck and self._step_lock.acquire(timeout=10):
+                try:
+                    self.core.shutdown(graceful=self._dead is None)
+                finally:
+                    self._step_lock.release()
+            else:
+                self.core.shutdown(graceful=False, destroy=False)
 
     def _run(self, reqs: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         for req in reqs:

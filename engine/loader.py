@@ -12,6 +12,8 @@ import functools
 import importlib.util
 import json
 import os
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -63,6 +65,74 @@ def load_model(model: str, dtype: torch.dtype, device,
                      ".gguf file, or a local Hugging Face directory with config.json and *.safetensors")
 
 
+@dataclass
+class ShardSource:
+    """Where a tensor-parallel worker reads the full checkpoint tensors it slices its shard from: safetensors files
+    and the already-parsed ModelConfig, so a worker imports neither transformers nor a tokenizer. A GGUF checkpoint
+    is parsed and dequantized once, by rank 0, into `export_dir` (removed once every rank has loaded)."""
+    config: ModelConfig
+    files: list[str]
+    export_dir: str | None = None
+
+
+def check_tensor_parallel(model: str, tp_size: int) -> ModelConfig | None:
+    """Fail fast, before any worker starts, when a local Hugging Face model cannot be split `tp_size` ways; returns
+    its config. None for a GGUF model, whose config is only known once the file is parsed (it is checked when rank 0
+    builds its shard)."""
+    path = Path(model).expanduser()
+    if model == "smollm2" or not (path / "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
+    with torch.device("meta"):
+        DecoderLM(config, TPGroup(rank=0, size=tp_size))  # the parallel layers check every split
+    return config
+
+
+def load_model_for_tp(model: str, dtype: torch.dtype, device, tp: TPGroup):
+    """Rank 0 under tensor parallelism: `load_model` plus the ShardSource the other ranks load their shards from."""
+    device = torch.device(device)
+    path = Path(model).expanduser()
+    if model != "smollm2" and path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        m, config, tok = _load_hf_dir(path, dtype, device, tp)
+        return m, config, tok, ShardSource(config, [str(f) for f in _safetensors_files(path)])
+    gguf = smollm2_gguf_path() if model == "smollm2" else None
+    if gguf is None and path.is_file() and path.suffix == ".gguf":
+        gguf = path
+    if gguf is None and path.is_dir():
+        found = sorted(path.glob("*.gguf"))
+        gguf = found[0] if len(found) == 1 else None
+    if gguf is None:
+        load_model(model, dtype, device, tp)  # raises the loader's own error for anything else
+        raise ValueError(f"model={model!r}: cannot be loaded under tensor parallelism")
+    export = tempfile.mkdtemp(prefix="kvllm-tp-weights-")
+    try:
+        m, config, tok = _load_gguf(gguf, dtype, device, tp, export_dir=export)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(export, ignore_errors=True)
+        raise
+    return m, config, tok, ShardSource(config, [str(Path(export) / "model.safetensors")], export)
+
+
+def load_shard(source: ShardSource, dtype: torch.dtype, device, tp: TPGroup) -> DecoderLM:
+    """A tensor-parallel worker's shard: this rank's slices of the full tensors in `source.files`."""
+    from safetensors import safe_open
+
+    model = _empty_model(source.config, dtype, torch.device(device), tp)
+
+    def weights():
+        for file in source.files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+
+    model.load_hf_weights(weights())
+    return model
+
+
 def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup = NO_TP) -> DecoderLM:
     """Allocate without random init; every parameter is then overwritten by load_hf_weights."""
     with torch.device("meta"):
@@ -104,7 +174,8 @@ def _shared_gguf_parsing():
         gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_map
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = NO_TP):
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = NO_TP,
+               export_dir: str | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(path.parent), path.name
@@ -116,6 +187,13 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup
     config = ModelConfig.from_hf(hf_model.config)
     model = _empty_model(config, dtype, device, tp)
     model.load_hf_weights(hf_model.state_dict().items())
+    if export_dir is not None:  # the dequantized tensors, for the other tensor-parallel ranks
+        from safetensors.torch import save_file
+
+        # a tied LM head is the embedding (safetensors refuses shared storage; load_hf_weights skips it anyway)
+        tensors = {k: v.contiguous() for k, v in hf_model.state_dict().items()
+                   if not (k == "lm_head.weight" and config.tie_word_embeddings)}
+        save_file(tensors, str(Path(export_dir) / "model.safetensors"), metadata={"format": "pt"})
     del hf_model
     _merge_eos(config, tokenizer.eos_token_id)
     return model, config, tokenizer

@@ -1,8 +1,15 @@
-"""Builds one step's flat inputs and attention metadata, runs the model, returns the logits that matter."""
+"""Builds one step's flat inputs and attention metadata, runs the model, returns the logits that matter.
+
+A step is split in three so tensor parallelism can run the same forward on every rank: `prepare` (rank 0: the
+scheduled sequences -> a `ForwardPlan` of plain data, ids instead of objects), `forward` (every rank: metadata
+from the plan's block tables and lengths, then the model) and `finish` (rank 0: logits, scores and captured
+queries back to their sequences). With one process `execute` runs the three in a row.
+"""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -22,6 +29,38 @@ class StepResult:
     captured: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
 
+@dataclass
+class ForwardPlan:
+    """One step's model inputs as plain data: all a tensor-parallel rank needs to run the same forward."""
+    seq_ids: list[int]
+    starts: list[int]  # first logical position of each sequence's tokens (positions are start, start + 1, ...)
+    input_ids: list[int]
+    block_tables: list[list[int]]
+    q_lens: list[int]
+    kv_lens: list[int]  # after the step
+    sample_rows: list[int] = field(default_factory=list)  # rows whose next-token logits are sampled
+    score_rows: list[int] = field(default_factory=list)  # rows whose logits score a prompt token
+    capture_rows: list[int] = field(default_factory=list)  # rows whose queries are kept (query_source="cache")
+    capture_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (index in seq_ids, first, count)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None = None  # sample rows (rank 0 only under tensor parallelism)
+    score_logits: torch.Tensor | None = None  # score rows (idem)
+    captured: list[torch.Tensor] = field(default_factory=list)  # per capture span: [L, count, Hq (local), D]
+
+
+@dataclass
+class _StepContext:
+    """What only rank 0 keeps of a step: the sequence objects behind the plan's rows."""
+    seqs: list[Sequence]
+    sample_seqs: list[Sequence]
+    score_targets: list[int]
+    score_spans: list[tuple[Sequence, int]]
+    captures: list[tuple[Sequence, int]]  # (sequence, first position) of each capture span
+
+
 class ModelRunner:
     def __init__(self, model, model_config, kv_cache: KVCache, attn: AttentionBackend, device: torch.device,
                  dtype: torch.dtype):
@@ -32,73 +71,88 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.scale = 1.0 / math.sqrt(model_config.head_dim)
+        # Tensor parallelism (engine/distributed/driver.py): sends each plan to the other ranks before rank 0 runs it.
+        self.on_plan: Callable[[ForwardPlan, list[Sequence]], None] | None = None
 
     def _plan(self, meta) -> None:
-        c = self.config
-        self.attn.plan(meta, c.num_q_heads, c.num_kv_heads, c.head_dim, self.dtype)
+        # this rank's heads (all of them without tensor parallelism)
+        self.attn.plan(meta, self.model.num_local_q_heads, self.model.num_local_kv_heads, self.config.head_dim,
+                       self.dtype)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[int] = []
-        result = StepResult()
-        score_rows: list[int] = []
-        score_targets: list[int] = []
-        score_spans: list[tuple[Sequence, int]] = []
-        capture_rows: list[int] = []
-        capture_spans: list[tuple[Sequence, int, int]] = []
-        for item in scheduled:
+        plan, ctx = self.prepare(scheduled)
+        if self.on_plan is not None:
+            self.on_plan(plan, ctx.seqs)
+        return self.finish(ctx, self.forward(plan))
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[ForwardPlan, _StepContext]:
+        plan = ForwardPlan([], [], [], [], [], [])
+        ctx = _StepContext([], [], [], [], [])
+        for i, item in enumerate(scheduled):
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
-            row0 = len(input_ids)
-            input_ids.extend(seq.token_slice(start, n))
-            positions.extend(range(start, start + n))
+            row0 = len(plan.input_ids)
+            plan.seq_ids.append(seq.seq_id)
+            plan.starts.append(start)
+            plan.input_ids.extend(seq.token_slice(start, n))
+            plan.block_tables.append(list(seq.block_table))
+            plan.q_lens.append(n)
+            plan.kv_lens.append(seq.kv_len + n)
+            ctx.seqs.append(seq)
             if seq.scoring is not None:
                 # logits at position t score token t + 1; only tokens from score_from on, once each
                 sc = seq.scoring
                 first = max(start, sc.score_from - 1, sc.score_from - 1 + len(sc.prompt_logprobs))
                 last = min(start + n, seq.num_prompt_tokens - 1)
                 rows = list(range(row0 + first - start, row0 + last - start))
-                score_rows.extend(rows)
-                score_targets.extend(seq.prompt_token_ids[first + 1:last + 1])
-                score_spans.append((seq, len(rows)))
+                plan.score_rows.extend(rows)
+                ctx.score_targets.extend(seq.prompt_token_ids[first + 1:last + 1])
+                ctx.score_spans.append((seq, len(rows)))
             if item.completes_prefill:
-                sample_rows.append(len(input_ids) - 1)
-                result.sample_seqs.append(seq)
+                plan.sample_rows.append(len(plan.input_ids) - 1)
+                ctx.sample_seqs.append(seq)
             st = seq.compression
             if st is not None and st.caches_queries:  # tokens compression may later score keep their queries
                 first = max(start, st.start)
                 if first < start + n:
-                    capture_rows.extend(range(row0 + first - start, row0 + n))
-                    capture_spans.append((seq, first, start + n - first))
+                    plan.capture_rows.extend(range(row0 + first - start, row0 + n))
+                    plan.capture_spans.append((i, first, start + n - first))
+                    ctx.captures.append((seq, first))
+        return plan, ctx
 
-        meta = build_metadata(
-            [s.seq.block_table for s in scheduled],
-            [s.num_tokens for s in scheduled],
-            [s.seq.kv_len + s.num_tokens for s in scheduled],
-            self.kv_cache.block_size,
-            self.device,
-        )
+    @torch.inference_mode()
+    def forward(self, plan: ForwardPlan) -> ForwardOutput:
+        """Run a plan on this rank's shard and KV cache (every rank derives the same metadata from the plan)."""
+        meta = build_metadata(plan.block_tables, plan.q_lens, plan.kv_lens, self.kv_cache.block_size, self.device)
         self._plan(meta)
-        if capture_rows:
-            meta.capture = QueryCapture(torch.tensor(capture_rows, device=self.device), self.config.num_layers)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        if plan.capture_rows:
+            meta.capture = QueryCapture(torch.tensor(plan.capture_rows, device=self.device), self.config.num_layers)
+        positions = [p for start, n in zip(plan.starts, plan.q_lens) for p in range(start, start + n)]
+        ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.kv_cache.layers, self.attn, meta)
-        if capture_rows:
+        out = ForwardOutput()
+        if plan.capture_rows:
             k = 0
-            for seq, first, count in capture_spans:
-                result.captured.append((seq, first, meta.capture.out[:, k:k + count]))
+            for _, _, count in plan.capture_spans:
+                out.captured.append(meta.capture.out[:, k:k + count])
                 k += count
-        if sample_rows:
-            result.logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        if score_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(score_rows, device=self.device)])
-            targets = torch.tensor(score_targets, device=self.device)
-            logp = logits.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        # under tensor parallelism every rank takes part in gathering the logits; rank 0 receives them
+        if plan.sample_rows:
+            out.logits = self.model.compute_logits(hidden[torch.tensor(plan.sample_rows, device=self.device)])
+        if plan.score_rows:
+            out.score_logits = self.model.compute_logits(hidden[torch.tensor(plan.score_rows, device=self.device)])
+        return out
+
+    def finish(self, ctx: _StepContext, out: ForwardOutput) -> StepResult:
+        result = StepResult(sample_seqs=ctx.sample_seqs, logits=out.logits)
+        result.captured = [(seq, first, q) for (seq, first), q in zip(ctx.captures, out.captured, strict=True)]
+        if ctx.score_spans:
+            targets = torch.tensor(ctx.score_targets, device=self.device)
+            logp = out.score_logits.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
             k = 0
-            for seq, count in score_spans:
+            for seq, count in ctx.score_spans:
                 result.scored.append((seq, logp[k:k + count]))
                 k += count
         return result
@@ -109,7 +163,7 @@ class ModelRunner:
         token, count); the span and every token after it must be uncompressed (one KV slot each, at the end of
         kv_len), e.g. a prefix of the uncompressed tail: the span's queries then attend exactly the slots up to
         its last token, so later tokens need not be recomputed. Returns [L, T, Hq, D] with the spans' tokens
-        concatenated."""
+        concatenated (this rank's query heads under tensor parallelism, where every rank must call it)."""
         input_ids, positions, kv_ends = [], [], []
         for seq, start, n in spans:
             input_ids.extend(seq.token_slice(start, n))
@@ -121,4 +175,3 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self.model.recompute_queries(ids, pos, self.kv_cache.layers, self.attn, meta)
-

@@ -195,9 +195,7 @@ class KVCacheManager:
                 if self.pool.ref_counts[b] != 1 or self.pool.is_cached(b):
                     raise RuntimeError(f"compaction would rewrite shared or cached block {b} of sequence "
                                        f"{job.seq.request_id}")
-        new_lens = compact_batch(self.kv_cache.data, [
-            CompactionJob(j.seq.block_table, j.region_start, j.region_len, j.kept, j.seq.kv_len) for j in jobs],
-            check_indices=False)
+        new_lens = self.compact_data(jobs)
         freed_counts = []
         for job, new_len in zip(jobs, new_lens):
             seq = job.seq
@@ -208,6 +206,14 @@ class KVCacheManager:
             seq.kv_len = new_len
             freed_counts.append(len(freed))
         return freed_counts
+
+    def compact_data(self, jobs: list["CompactionRequest"]) -> list[int]:
+        """The data movement of `compact` alone (no block is freed, no table or length changes): what a
+        tensor-parallel worker runs on its KV shard while rank 0's `compact` keeps the books. Returns the new
+        KV lengths."""
+        return compact_batch(self.kv_cache.data, [
+            CompactionJob(j.seq.block_table, j.region_start, j.region_len, j.kept, j.seq.kv_len) for j in jobs],
+            check_indices=False)
 
     # -- checks -------------------------------------------------------------------------------------------
     def check_invariants(self, running: Seq["Sequence"], waiting: Seq["Sequence"] = ()) -> None:

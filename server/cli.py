@@ -69,6 +69,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
     g.add_argument("--attention-backend", default=None, help="auto|torch|flashinfer")
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=None,
+                   help="ranks the model is split over (Megatron-style); ranks 1..N-1 run in spawned worker "
+                        "processes (default 1)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV blocks of cached prompt prefixes (default: on)")
     m = p.add_argument_group("memory pressure")
@@ -146,7 +149,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
                  "max_num_seqs", "max_num_batched_tokens", "attention_backend", "seed", "enable_prefix_caching",
                  "scheduling_policy", "admission_optimism", "projected_output_len", "preemption_mode", "swap_space",
-                 "compress_before_preempt"):
+                 "compress_before_preempt", "tensor_parallel_size"):
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v
@@ -205,6 +208,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         engine.start()
         app = build_app(engine, served_model_name=args.served_model_name,
                         max_queued_requests=args.max_queued_requests)
+        _stop_engine_at_app_shutdown(app, engine)
         names = args.served_model_name or [engine.model_name]
         logger.info("serving %s on http://%s:%d/v1 (max_model_len=%d)", ", ".join(names), args.host, args.port,
                     engine.max_model_len)
@@ -213,6 +217,22 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _stop_engine_at_app_shutdown(app, engine) -> None:
+    """uvicorn re-raises SIGINT / SIGTERM once it has shut down, which ends the process before `cmd_serve`'s
+    `finally` runs; stopping the engine (and its tensor-parallel workers) in the app's lifespan runs first."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a):
+        try:
+            async with inner(a) as state:
+                yield state
+        finally:
+            engine.shutdown()
+
+    app.router.lifespan_context = lifespan
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -183,3 +183,30 @@ def save_tiny_tokenizer(path: Path, vocab_size: int = 128) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                             unk_token="<unk>").save_pretrained(path)
+
+
+# ---- multi-process tests ------------------------------------------------------------------------------------------
+def hard_timeout(seconds: float):
+    """A hard deadline for a multi-process test: if it is still running after `seconds`, every thread's traceback is
+    printed and the test process exits (worker processes notice their parent is gone and exit too), so CI fails
+    instead of hanging. Use as a context manager."""
+    import contextlib
+    import faulthandler
+    import sys
+
+    @contextlib.contextmanager
+    def guard():
+        faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+    return guard()
+
+
+def tp_worker_processes() -> list:
+    """Tensor-parallel worker processes of this process that are still alive."""
+    import multiprocessing as mp
+
+    return [p for p in mp.active_children() if p.name.startswith("kvllm-tp-rank")]
