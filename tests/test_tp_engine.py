@@ -206,6 +206,23 @@ def test_settings_are_checked_before_any_worker_starts(tiny_dir):
         build_parser().parse_args(["serve", "--tensor-parallel-size", "0"])
 
 
+def test_a_worker_whose_compactions_differ_from_rank0s_stops():
+    """The run-time check behind check_worker_matches_rank0: each message carries rank 0's compactions since the
+    previous one; a worker that made different ones (another length, other blocks) raises instead of going on."""
+    from engine.distributed import protocol as P
+    from engine.distributed.parallel_state import NO_TP
+    from engine.distributed.worker import RankDivergedError, Worker
+
+    w = Worker(NO_TP, NO_TP, torch.device("cpu"))
+    w.pending_checks.extend([(3, 10, [7, 9]), (4, 12, [])])
+    with pytest.raises(RankDivergedError, match="compacted"):
+        w._apply(P.Sync(compactions=[(3, 10, [7, 8]), (4, 12, [])]))
+    w._apply(P.Sync(compactions=[(3, 10, [7, 9]), (4, 12, [])]))
+    assert w.checked == 2 and w.pending_checks == []
+    with pytest.raises(RankDivergedError, match="compacted"):
+        w._apply(P.Sync(compactions=[(5, 4, [])]))  # rank 0 compacted, this rank did not
+
+
 # ---- the server ---------------------------------------------------------------------------------------------------
 def _wait_healthy(proc, base: str, log: Path, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
@@ -241,7 +258,7 @@ def test_kvllm_serve_tp2_openai_client_and_a_killed_worker(tiny_server_model_dir
         worker_pid = int(re.search(r"worker pids (\d+)", log_path.read_text()).group(1))
 
         messages = [{"role": "user", "content": "Name three colours."}]
-        ref_engine = build_engine(tiny_server_model_dir)
+        ref_engine = build_engine(tiny_server_model_dir, swap_space=0)
         try:
             want = ref_engine.chat(messages, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
             want_text = want[0].outputs[0].text

@@ -98,10 +98,16 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _shutdown_at_exit(ref: "weakref.ReferenceType[TPDriver]") -> None:
+def _kill_at_exit(ref: "weakref.ReferenceType[TPDriver]", procs: list) -> None:
+    """At interpreter exit, before multiprocessing's own exit hook (which would wait forever for workers that ignore
+    its SIGTERM): kill the workers of an engine nobody shut down. Holds the processes, not the engine."""
     driver = ref()
     if driver is not None:
-        driver.shutdown(graceful=False, destroy=False)  # another thread may be inside a collective
+        driver._closing = True  # expected deaths: the monitor stays quiet
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join(10)
 
 
 class TPDriver:
@@ -137,7 +143,8 @@ class TPDriver:
         self._monitor: threading.Thread | None = None
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self._heads = None
-        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        # registered after multiprocessing's exit hook, so it runs before it
+        atexit.register(_kill_at_exit, weakref.ref(self), self.procs)
 
     # -- start-up -----------------------------------------------------------------------------------------
     def start(self, config, dtype: torch.dtype):

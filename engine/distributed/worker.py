@@ -242,7 +242,7 @@ class Worker:
             "rank": self.tp.rank, "pid": os.getpid(), "heads": (self.model.num_local_q_heads,
                                                                self.model.num_local_kv_heads),
             "num_blocks": None if self.kv is None else self.kv.manager.kv_cache.num_blocks,
-            "compactions": list(self.history), "checked": self.checked + len(self.pending_checks),
+            "compactions": list(self.history), "checked": self.checked,
             "stage": None if s is None else asdict(s), "sequences": sorted(self.mirrors),
             "threads": torch.get_num_threads(),
         })
