@@ -276,7 +276,14 @@ class TPDriver:
         """Replicated KV heads (tensor_parallel_size > num_kv_heads) leave each rank only part of a KV head's
         query heads, so a method that scores keys with the queries would keep different tokens on the ranks that
         replicate one head. Query-free methods (random, streaming, ...) select the same tokens on every replica."""
-        if cfg is None or not cfg.enabled or not self.replicated:
+        if cfg is None or not cfg.enabled:
+            return
+        if getattr(cfg, "lossless", False):  # its full-KV host tier and verification forwards have no messages yet
+            err = ValueError(f"kv_compression.lossless is not supported with tensor_parallel_size={self.size} "
+                             f"(> 1) yet")
+            err.param = "kv_compression.lossless"
+            raise err
+        if not self.replicated:
             return
         if cfg.make_compressor().needs_queries:
             hq, Hq, hkv, Hkv = self._heads
