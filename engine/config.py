@@ -79,6 +79,7 @@ class EngineConfig:
     preemption_mode: str = "auto"
     compress_before_preempt: bool = True
     swap_space: int | str = "1GiB"  # host memory for swapped-out KV blocks (0: recompute only)
+    lossless_host_memory: int | str = "1GiB"  # host memory for lossless sequences' full KV (the same store)
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -92,8 +93,9 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
-        if self.swap_space not in (0, "0"):
-            parse_memory(self.swap_space)  # a clear error now
+        for name in ("swap_space", "lossless_host_memory"):
+            if getattr(self, name) not in (0, "0"):
+                parse_memory(getattr(self, name))  # a clear error now
 
     def resolve_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -122,11 +124,10 @@ class EngineConfig:
         return n
 
     def host_blocks(self, model_config, dtype: torch.dtype) -> int:
-        if self.swap_space in (0, "0"):
-            return 0
+        """Blocks of the host store: swap space plus the lossless full tier (one pool, one tensor)."""
+        nbytes = sum(parse_memory(v) for v in (self.swap_space, self.lossless_host_memory) if v not in (0, "0"))
         c = model_config
-        return num_blocks_for_memory(parse_memory(self.swap_space), c.num_layers, self.block_size, c.num_kv_heads,
-                                     c.head_dim, dtype)
+        return num_blocks_for_memory(nbytes, c.num_layers, self.block_size, c.num_kv_heads, c.head_dim, dtype)
 
     def fit_max_model_len(self, max_model_len: int, num_blocks: int) -> int:
         """One request must always fit the pool, or it would preempt itself forever."""

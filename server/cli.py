@@ -82,6 +82,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], default=None,
                    help="auto: swap to host memory when copying is cheaper than recomputing (default: auto)")
     m.add_argument("--swap-space", default=None, help="host memory for swapped KV blocks, e.g. 4GiB (default 1GiB)")
+    m.add_argument("--lossless-host-memory", default=None,
+                   help="host memory for the full KV of lossless requests (kv_compression lossless: true), e.g. "
+                        "8GiB (default 1GiB; shares one store with --swap-space)")
     m.add_argument("--compress-before-preempt", action=argparse.BooleanOptionalAction, default=None,
                    help="run a compression round on demand before preempting (default: on)")
     p.add_argument("--max-queued-requests", type=_nonneg_int, default=None,
@@ -146,6 +149,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
                  "max_num_seqs", "max_num_batched_tokens", "attention_backend", "seed", "enable_prefix_caching",
                  "scheduling_policy", "admission_optimism", "projected_output_len", "preemption_mode", "swap_space",
+                 "lossless_host_memory",
                  "compress_before_preempt"):
         v = getattr(args, name, None)
         if v is not None:
