@@ -281,7 +281,7 @@ inline void pv_block(const Rows& R, int64_t r0, int64_t jmax, int64_t c) {
 template <int MB>
 inline void pv_rows(const Rows& R, int64_t r0, int64_t jmax) {
   int64_t c = 0;
-  for (; c + 32 <= R.d; c += 32) pv_block<MB, 4>(R, r0, jmax, c);
+  for (; c + 16 <= R.d; c += 16) pv_block<MB, 2>(R, r0, jmax, c);
   for (; c < R.d; c += 8) pv_block<MB, 1>(R, r0, jmax, c);
 }
 
@@ -385,6 +385,18 @@ void run_item(const Problem& P, const Item& it, const Item* next, Scratch& sc) {
     for (int64_t hh = it.h0; hh < it.h1; ++hh) {
       const int64_t rb = (hh - it.h0) * rows_h;
       chunk_rows<T>(P, sc.off.data(), n, hh, sc);
+      // into L1 while this head's scores run: its V rows, then the next head's K rows
+      for (int64_t j = 0; j < n; ++j) {
+        const char* vrow = reinterpret_cast<const char*>(sc.vp[j]);
+        for (int64_t b = 0; b < P.d * 4; b += 64) __builtin_prefetch(vrow + b, 0, 3);
+      }
+      if (hh + 1 < it.h1) {
+        const T* cache = static_cast<const T*>(P.cache);
+        for (int64_t j = 0; j < n; ++j) {
+          const char* krow = reinterpret_cast<const char*>(cache + sc.off[j] + (hh + 1) * P.d);
+          for (int64_t b = 0; b < P.d * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(krow + b, 0, 3);
+        }
+      }
       Rows R{sc.qs.data() + rb * d, sc.o.data() + rb * d, sc.s.data() + rb * kChunk, sc.nv.data(), rows_h, d,
              sc.kp.data(), sc.vp.data()};
       K::scores(R);

@@ -67,7 +67,7 @@ def _command(cxx: str, src: Path, out: Path) -> list[str]:
     # No -march: AVX2 code is compiled per function (#pragma GCC target) and picked at run time, so the library
     # built on one machine runs on any x86-64 (and non-x86 takes the portable path). -fopenmp only makes the
     # at::parallel_for header use OpenMP: libgomp.so.1 resolves to the copy torch already loaded (one pool).
-    return [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-DNDEBUG", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    return [cxx, "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-DNDEBUG", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             "-fvisibility=hidden", *incs, str(src), "-o", str(out), f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
             f"-Wl,-rpath,{torch_lib}"]
 
@@ -84,16 +84,22 @@ def library_path(cxx: str | None = None) -> Path:
     return build_dir() / f"{_NAME}_{h.hexdigest()[:16]}.so"
 
 
-def build(verbose: bool = False) -> Path:
-    """Compile the library unless an up-to-date build exists; returns its path. Raises ExtensionUnavailable."""
+def build(verbose: bool = False, retry: bool = False) -> Path:
+    """Compile the library unless an up-to-date build exists; returns its path. Raises ExtensionUnavailable.
+    A failed compile leaves <library>.failed so later processes do not spend the compile time again on the same
+    source (`retry=True`, as `python -m engine.attention.cpu_ext` does, tries anyway)."""
     if not SOURCE.exists():
         raise ExtensionUnavailable(f"{SOURCE} not found (kvllm is not installed from its source tree)")
     cxx = compiler()
     if cxx is None:
         raise ExtensionUnavailable("no C++ compiler found (set CXX or install g++)")
     out = library_path(cxx)
+    failed = out.with_suffix(".failed")
     if out.exists():
         return out
+    if failed.exists() and not retry:
+        raise ExtensionUnavailable(f"an earlier compile of this source failed (rerun `python -m "
+                                   f"engine.attention.cpu_ext` to retry):\n{failed.read_text()[-2000:]}")
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / ".lock", "w") as lock_file:
         import fcntl
@@ -110,10 +116,12 @@ def build(verbose: bool = False) -> Path:
         if proc.returncode != 0:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            failed.write_text(" ".join(cmd) + "\n" + proc.stderr[-4000:])
             raise ExtensionUnavailable(f"compiling {SOURCE.name} failed:\n{proc.stderr[-4000:]}")
         os.replace(tmp, out)  # atomic: a concurrent loader sees the old state or the whole library
-        for old in out.parent.glob(f"{_NAME}_*.so"):  # builds of older sources
-            if old != out:
+        failed.unlink(missing_ok=True)
+        for old in out.parent.glob(f"{_NAME}_*"):  # builds (and failure notes) of older sources
+            if old.with_suffix("") != out.with_suffix(""):
                 with contextlib.suppress(OSError):
                     old.unlink()
     return out
@@ -149,7 +157,7 @@ def is_available() -> bool:
 
 def main() -> int:
     try:
-        path = build(verbose=True)
+        path = build(verbose=True, retry=True)
     except ExtensionUnavailable as exc:
         print(f"warning: CPU attention kernel not built, the torch backend will be used: {exc}", file=sys.stderr)
         return 1
