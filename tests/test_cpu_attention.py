@@ -153,6 +153,18 @@ def test_half_types_close_to_reference(dtype):
     assert max_err(out, cache, meta, q, 0.25) < 2e-2
 
 
+@pytest.mark.parametrize("portable", KERNELS)
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_half_cache_with_float32_queries(portable, kv_dtype):
+    """A half-precision KV cache read by float32 queries (rows upcast per chunk); the reference sees the same
+    half-precision K/V values, so the only error is float32 arithmetic."""
+    cache, meta, q, k, v = make_step(MIXED_Q, MIXED_PREFIX, 6, 2, 16, 4, seed=12)
+    cache = cache.to(kv_dtype)
+    out = run(CpuPagedBackend(force_portable=portable), meta, q, k, v, cache, 0.25)
+    assert out.dtype == torch.float32
+    assert max_err(out, cache, meta, q, 0.25) < 1e-5
+
+
 def test_float64_goes_to_the_torch_backend():
     cache, meta, q, k, v = make_step({0: 5, 1: 1}, {0: 3, 1: 9}, 4, 2, 16, 4, dtype=torch.float64, seed=6)
     out = run(CpuPagedBackend(), meta, q, k, v, cache, 0.25)

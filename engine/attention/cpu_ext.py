@@ -1,4 +1,4 @@
-"""Builds and loads the CPU paged-attention kernel (csrc/cpu_attention.cpp) as a torch op library.
+"""Builds and loads the CPU paged-attention kernel (csrc/kvllm_cpu.cpp) as a torch op library.
 
 The library is compiled with one direct compiler call (no ninja, no pybind11: the op is registered with
 TORCH_LIBRARY and loaded with torch.ops.load_library), which takes ~20 s on 2 cores. Its file name carries a hash
@@ -24,8 +24,8 @@ from pathlib import Path
 logger = logging.getLogger("kvllm.attention")
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCE = REPO / "csrc" / "cpu_attention.cpp"
-_NAME = "kvllm_cpu_attention"
+SOURCE = REPO / "csrc" / "kvllm_cpu.cpp"
+_NAME = "kvllm_cpu"
 
 _lock = threading.Lock()
 _ops = None  # torch.ops.kvllm_cpu once loaded

@@ -2,7 +2,7 @@
 
 The torch backend gathers every sequence's K/V rows into a padded buffer each layer (at 64 sequences x 512
 slots that is 50 MB copied per layer) and loops over prefill sequences in Python. This backend hands the
-step's CSR page table straight to the kernel in csrc/cpu_attention.cpp (built by engine/attention/cpu_ext.py),
+step's CSR page table straight to the kernel in csrc/kvllm_cpu.cpp (built by engine/attention/cpu_ext.py),
 which walks each sequence's blocks in place with an online softmax, all sequences (decode and prefill, mixed)
 in one call, parallel over (sequence, KV head, query tile) on torch's intra-op threads.
 

@@ -1,5 +1,8 @@
-// Paged attention on the CPU that reads K/V in place from kvllm's page tensor.
+// kvllm's CPU kernels, registered as torch ops (torch.ops.kvllm_cpu.*):
+//   paged_attention: attention that reads K/V in place from kvllm's page tensor (below);
+//   int8_linear: y = x @ (W_int8 * scale)^T + bias, weight-only int8 (engine/models/quant.py), further down.
 //
+// Paged attention.
 // Layout (paging/kv_cache.py): one layer is [num_blocks, 2, block_size, Hkv, D], [:, 0] = K, [:, 1] = V.
 // Page table (engine/attention/base.py): FlashInfer's CSR form qo_indptr / kv_indptr / kv_indices /
 // kv_last_page_len. Sequence b owns query rows [qo[b], qo[b+1]) and kv_len slots; query i of its q_len rows
@@ -24,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -77,11 +81,11 @@ inline void store_row(void* base, DType t, int64_t idx, int64_t d, float mul, co
 struct Scratch {
   std::vector<float> qs, o, s, m, l, kbuf, vbuf;
   std::vector<const float*> kp, vp;
-  std::vector<int64_t> off, off_next;  // element offsets of the current / next chunk's K rows (KV head 0)
+  std::vector<int64_t> off;  // element offsets of the current chunk's K rows (KV head 0)
   std::vector<int32_t> nv;             // valid (causal) slots of each query token's rows in the current chunk
   Scratch(int64_t rows, int64_t d)
       : qs(rows * d), o(rows * d), s(rows * kChunk), m(rows), l(rows), kbuf(kChunk * d), vbuf(kChunk * d),
-        kp(kChunk), vp(kChunk), off(kChunk), off_next(kChunk), nv(rows) {}
+        kp(kChunk), vp(kChunk), off(kChunk), nv(rows) {}
 };
 
 // The query rows of one KV head within an item, for one chunk of slots: row r attends chunk slots [0, nv[r]).
@@ -109,25 +113,27 @@ inline void slot_offsets(const Problem& P, const int32_t* pages, int64_t c0, int
   }
 }
 
-// Software prefetch (into L2) of the K and V rows of heads [h0, h1) at `off`. Blocks are scattered, and the
-// hardware prefetcher neither crosses 4 KiB pages nor guesses the next block (measured: ~20% faster decode
-// from DRAM at 64 x 256 slots with this one-chunk-ahead prefetch).
+// Reads every cache line of the chunk's K rows, then its V rows, of heads [h0, h1), in address order (a block's
+// [block_size, Hkv, D] rows are contiguous), so the head-by-head compute that follows hits L1/L2. Measured at
+// 64 x 256 and 64 x 512 slots, 1 thread: ~25% faster than computing straight from DRAM, while software prefetch
+// (next chunk, into L1 or L2, whichever order) gained nothing.
 template <typename T>
-inline void prefetch_rows(const Problem& P, const int64_t* off, int64_t n, int64_t h0, int64_t h1) {
-  const T* cache = static_cast<const T*>(P.cache);
+inline void stream_chunk(const Problem& P, const int64_t* off, int64_t n, int64_t h0, int64_t h1) {
+  const char* cache = static_cast<const char*>(P.cache);
   const int64_t bytes = (h1 - h0) * P.d * static_cast<int64_t>(sizeof(T));
+  // volatile byte loads: kept by the compiler, and independent of each other (no add chain to wait on)
   for (int64_t j = 0; j < n; ++j) {
-    const char* k = reinterpret_cast<const char*>(cache + off[j] + h0 * P.d);
-    const char* v = reinterpret_cast<const char*>(cache + off[j] + P.v_offset + h0 * P.d);
-    for (int64_t b = 0; b < bytes; b += 64) {
-      __builtin_prefetch(k + b, 0, 2);
-      __builtin_prefetch(v + b, 0, 2);
-    }
+    const volatile char* k = cache + (off[j] + h0 * P.d) * sizeof(T);
+    for (int64_t b = 0; b < bytes; b += 64) (void)k[b];
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const volatile char* v = cache + (off[j] + P.v_offset + h0 * P.d) * sizeof(T);
+    for (int64_t b = 0; b < bytes; b += 64) (void)v[b];
   }
 }
 
-// Row pointers of the chunk's slots for KV head h; non-fp32 caches are converted into scratch.
-template <typename T>
+// Row pointers of the chunk's slots for KV head h; half-precision caches are converted into scratch (K::to_float).
+template <typename K, typename T>
 inline void chunk_rows(const Problem& P, const int64_t* off, int64_t n, int64_t h, Scratch& sc) {
   const T* cache = static_cast<const T*>(P.cache);
   for (int64_t j = 0; j < n; ++j) {
@@ -138,8 +144,8 @@ inline void chunk_rows(const Problem& P, const int64_t* off, int64_t n, int64_t 
     } else {
       float* kd = sc.kbuf.data() + j * P.d;
       float* vd = sc.vbuf.data() + j * P.d;
-      for (int64_t i = 0; i < P.d; ++i) kd[i] = to_f(cache[row + i]);
-      for (int64_t i = 0; i < P.d; ++i) vd[i] = to_f(cache[row + P.v_offset + i]);
+      K::to_float(cache + row, kd, P.d);
+      K::to_float(cache + row + P.v_offset, vd, P.d);
       sc.kp[j] = kd;
       sc.vp[j] = vd;
     }
@@ -148,6 +154,10 @@ inline void chunk_rows(const Problem& P, const int64_t* off, int64_t n, int64_t 
 
 // ---- portable kernels -----------------------------------------------------------------------------------
 struct Portable {
+  template <typename T>
+  static void to_float(const T* src, float* dst, int64_t d) {
+    for (int64_t i = 0; i < d; ++i) dst[i] = to_f(src[i]);
+  }
   // s[r][j] = q[r] . k[j] for j < nv[r]
   static void scores(const Rows& R) {
     for (int64_t r = 0; r < R.n; ++r) {
@@ -188,7 +198,7 @@ struct Portable {
 
 // ---- AVX2 + FMA kernels (D % 8 == 0) -------------------------------------------------------------------
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 
 inline float hsum(__m256 a) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -292,6 +302,18 @@ inline int64_t block_jmax(const Rows& R, int64_t r0, int64_t mb) {
 }
 
 struct Avx2 {
+  // half-precision rows to float, 8 at a time: bf16 is the high half of a float; fp16 through F16C
+  static void to_float(const c10::BFloat16* src, float* dst, int64_t d) {
+    for (int64_t i = 0; i < d; i += 8) {
+      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+  }
+  static void to_float(const c10::Half* src, float* dst, int64_t d) {
+    for (int64_t i = 0; i < d; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+  static void to_float(const float* src, float* dst, int64_t d) { std::copy(src, src + d, dst); }
   // Rows go in blocks of 3 (a GQA group of 3, or 3 rows of a prefill tile): each K/V vector loaded from L1
   // feeds 3 FMAs. Within a block, rows with a shorter causal prefix compute (and later zero) a few extra scores.
   static void scores(const Rows& R) {
@@ -351,7 +373,7 @@ struct Avx2 {
 // ([block_size, Hkv, D]), so an item covering all KV heads streams whole blocks instead of every Hkv-th
 // 256-byte piece (measured: 2x faster from DRAM than one item per KV head at 64 x 256 slots).
 template <typename K, typename T>
-void run_item(const Problem& P, const Item& it, const Item* next, Scratch& sc) {
+void run_item(const Problem& P, const Item& it, Scratch& sc) {
   const int64_t d = P.d, g = P.g;
   const int64_t q0 = P.qo[it.seq], q_len = P.qo[it.seq + 1] - q0, kv_len = P.kv_lens[it.seq];
   const int64_t rows_h = (it.i1 - it.i0) * g, rows = rows_h * (it.h1 - it.h0);
@@ -366,37 +388,15 @@ void run_item(const Problem& P, const Item& it, const Item* next, Scratch& sc) {
   std::fill(sc.o.begin(), sc.o.begin() + rows * d, 0.f);
   const int64_t first = kv_len - q_len + it.i0;  // the first token's last attended slot
   const int64_t end = kv_len - q_len + it.i1;    // one past the last token's last attended slot
-  slot_offsets(P, pages, 0, std::min<int64_t>(kChunk, end), sc.off.data());
   for (int64_t c0 = 0; c0 < end; c0 += kChunk) {
     const int64_t c1 = std::min<int64_t>(c0 + kChunk, end), n = c1 - c0;
-    // prefetch one chunk ahead; during an item's last chunk, the next item's first chunk
-    if (c1 < end) {
-      const int64_t n1 = std::min<int64_t>(c1 + kChunk, end) - c1;
-      slot_offsets(P, pages, c1, c1 + n1, sc.off_next.data());
-      prefetch_rows<T>(P, sc.off_next.data(), n1, it.h0, it.h1);
-    } else if (next != nullptr) {
-      const int64_t nend = P.kv_lens[next->seq] - (P.qo[next->seq + 1] - P.qo[next->seq]) + next->i1;
-      const int64_t n1 = std::min<int64_t>(kChunk, nend);
-      slot_offsets(P, P.kv_indices + P.kv_indptr[next->seq], 0, n1, sc.off_next.data());
-      prefetch_rows<T>(P, sc.off_next.data(), n1, next->h0, next->h1);
-    }
+    slot_offsets(P, pages, c0, c1, sc.off.data());
+    if (it.h1 - it.h0 > 1) stream_chunk<T>(P, sc.off.data(), n, it.h0, it.h1);
     for (int64_t rr = 0; rr < rows_h; ++rr)
       sc.nv[rr] = static_cast<int32_t>(std::clamp<int64_t>(first + rr / g - c0 + 1, 0, n));
     for (int64_t hh = it.h0; hh < it.h1; ++hh) {
       const int64_t rb = (hh - it.h0) * rows_h;
-      chunk_rows<T>(P, sc.off.data(), n, hh, sc);
-      // into L1 while this head's scores run: its V rows, then the next head's K rows
-      for (int64_t j = 0; j < n; ++j) {
-        const char* vrow = reinterpret_cast<const char*>(sc.vp[j]);
-        for (int64_t b = 0; b < P.d * 4; b += 64) __builtin_prefetch(vrow + b, 0, 3);
-      }
-      if (hh + 1 < it.h1) {
-        const T* cache = static_cast<const T*>(P.cache);
-        for (int64_t j = 0; j < n; ++j) {
-          const char* krow = reinterpret_cast<const char*>(cache + sc.off[j] + (hh + 1) * P.d);
-          for (int64_t b = 0; b < P.d * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(krow + b, 0, 3);
-        }
-      }
+      chunk_rows<K, T>(P, sc.off.data(), n, hh, sc);
       Rows R{sc.qs.data() + rb * d, sc.o.data() + rb * d, sc.s.data() + rb * kChunk, sc.nv.data(), rows_h, d,
              sc.kp.data(), sc.vp.data()};
       K::scores(R);
@@ -417,7 +417,6 @@ void run_item(const Problem& P, const Item& it, const Item* next, Scratch& sc) {
       }
       K::accumulate(R);
     }
-    std::swap(sc.off, sc.off_next);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t hh = it.h0 + r / rows_h, rr = r % rows_h;
@@ -432,14 +431,14 @@ void run_items(const Problem& P, const std::vector<Item>& items, const std::vect
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     Scratch sc(kTileTokens * P.g * P.hkv, P.d);
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t i = bounds[p]; i < bounds[p + 1]; ++i) run_item<K, T>(P, items[i], i + 1 < bounds[p + 1] ? &items[i + 1] : nullptr, sc);
+      for (int64_t i = bounds[p]; i < bounds[p + 1]; ++i) run_item<K, T>(P, items[i], sc);
   });
 }
 
 bool cpu_has_avx2() {
   static const bool ok = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   }();
   return ok;
 }
@@ -557,6 +556,120 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   if (avx) go(Avx2{}); else go(Portable{});
 }
 
+
+// ---- weight-only int8 linear ---------------------------------------------------------------------------
+// W is packed by engine/models/quant.py into panels of 16 output channels, [N/16, K, 16] int8 (N padded to a
+// multiple of 16), so the 16 weights of one input column are one 16-byte load. A micro-kernel keeps MR rows x 16
+// outputs in registers and, per input column k, converts the 16 int8 weights to float once and uses them for the
+// MR rows (broadcast x[r][k], FMA). At batch 1 this reads a quarter of fp32's weight bytes (decode is bound by
+// them); at large batch it is a plain fp32 GEMM on the fly-converted panel. Panels are split over torch's threads.
+constexpr int kPanel = 16;
+
+struct Int8Problem {
+  const float* x;        // [M, K]
+  const int8_t* w;       // [P, K, 16]
+  const float* scale;    // [P * 16]
+  const float* bias;     // [N] or null
+  float* out;            // [M, N]
+  int64_t m, k, n;
+};
+
+inline void int8_store(const Int8Problem& I, int64_t row, int64_t n0, const float* acc16) {
+  const int64_t nn = std::min<int64_t>(kPanel, I.n - n0);
+  float* o = I.out + row * I.n + n0;
+  for (int64_t j = 0; j < nn; ++j) o[j] = acc16[j] * I.scale[n0 + j] + (I.bias ? I.bias[n0 + j] : 0.f);
+}
+
+void int8_panel_portable(const Int8Problem& I, int64_t p) {
+  const int8_t* w = I.w + p * I.k * kPanel;
+  float acc[kPanel];
+  for (int64_t r = 0; r < I.m; ++r) {
+    const float* x = I.x + r * I.k;
+    std::fill(acc, acc + kPanel, 0.f);
+    for (int64_t k = 0; k < I.k; ++k)
+      for (int j = 0; j < kPanel; ++j) acc[j] += x[k] * static_cast<float>(w[k * kPanel + j]);
+    int8_store(I, r, p * kPanel, acc);
+  }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+template <int MR>
+inline void int8_micro(const Int8Problem& I, int64_t p, int64_t r0) {
+  const int8_t* w = I.w + p * I.k * kPanel;
+  const float* x = I.x + r0 * I.k;
+  const int64_t kk = I.k;
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kk; ++k) {
+    const __m128i wq = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel));
+    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(wq));
+    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(wq, 8)));
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * kk + k);
+      acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+    }
+  }
+  // Spill the tile with constant indices only: a loop over r calling int8_store would make acc addressable and
+  // GCC then stores every accumulator to the stack on each k (measured 2x slower).
+  alignas(32) float buf[MR * kPanel];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    _mm256_store_ps(buf + r * kPanel, acc[r][0]);
+    _mm256_store_ps(buf + r * kPanel + 8, acc[r][1]);
+  }
+  for (int r = 0; r < MR; ++r) int8_store(I, r0 + r, p * kPanel, buf + r * kPanel);
+}
+
+void int8_panel_avx2(const Int8Problem& I, int64_t p) {
+  int64_t r = 0;
+  for (; r + 6 <= I.m; r += 6) int8_micro<6>(I, p, r);
+  switch (I.m - r) {
+    case 5: int8_micro<5>(I, p, r); break;
+    case 4: int8_micro<4>(I, p, r); break;
+    case 3: int8_micro<3>(I, p, r); break;
+    case 2: int8_micro<2>(I, p, r); break;
+    case 1: int8_micro<1>(I, p, r); break;
+    default: break;
+  }
+}
+
+#pragma GCC pop_options
+
+void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& scale,
+                 const std::optional<at::Tensor>& bias, at::Tensor& out, bool force_portable) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+                    "x must be a contiguous float32 [M, K] CPU tensor");
+  TORCH_CHECK_VALUE(w_packed.device().is_cpu() && w_packed.scalar_type() == at::kChar && w_packed.dim() == 3 &&
+                        w_packed.size(2) == kPanel && w_packed.is_contiguous(),
+                    "w_packed must be a contiguous int8 [N/16, K, 16] CPU tensor");
+  const int64_t m = x.size(0), k = x.size(1), panels = w_packed.size(0);
+  TORCH_CHECK_VALUE(w_packed.size(1) == k, "w_packed has K=", w_packed.size(1), ", x has K=", k);
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == m &&
+                        out.is_contiguous(), "out must be a contiguous float32 [M, N] CPU tensor");
+  const int64_t n = out.size(1);
+  TORCH_CHECK_VALUE(n > (panels - 1) * kPanel && n <= panels * kPanel, "out has N=", n, " columns, w_packed holds ",
+                    panels, " panels of ", kPanel);
+  TORCH_CHECK_VALUE(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                        scale.numel() == panels * kPanel, "scale must be a contiguous float32 tensor of ",
+                    panels * kPanel, " entries");
+  if (bias) {
+    TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                          bias->numel() == n, "bias must be a contiguous float32 tensor of N=", n, " entries");
+  }
+  Int8Problem I{x.data_ptr<float>(), w_packed.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, k, n};
+  if (m == 0) return;
+  const bool avx = !force_portable && cpu_has_avx2();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      if (avx) int8_panel_avx2(I, p); else int8_panel_portable(I, p);
+    }
+  });
+}
+
 bool has_avx2() { return cpu_has_avx2(); }
 
 }  // namespace
@@ -565,6 +678,8 @@ TORCH_LIBRARY(kvllm_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, "
         "Tensor kv_last_page_len, float scale, Tensor(a!) out, bool force_portable=False) -> ()",
         &paged_attention);
+  m.def("int8_linear(Tensor x, Tensor w_packed, Tensor scale, Tensor? bias, Tensor(a!) out, "
+        "bool force_portable=False) -> ()", &int8_linear);
   m.def("has_avx2() -> bool", &has_avx2);
 }
 
