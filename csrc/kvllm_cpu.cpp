@@ -559,25 +559,26 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::
 
 // ---- weight-only int8 linear ---------------------------------------------------------------------------
 // W is packed by engine/models/quant.py into panels of 16 output channels, [N/16, K, 16] int8 (N padded to a
-// multiple of 16), so the 16 weights of one input column are one 16-byte load. A micro-kernel keeps MR rows x 16
-// outputs in registers and, per input column k, converts the 16 int8 weights to float once and uses them for the
-// MR rows (broadcast x[r][k], FMA). At batch 1 this reads a quarter of fp32's weight bytes (decode is bound by
-// them); at large batch it is a plain fp32 GEMM on the fly-converted panel. Panels are split over torch's threads.
+// multiple of 16), so the 16 weights of one input column are one 16-byte load, with one float scale per channel
+// and group of G input columns, [N/16, K/G, 16]. A micro-kernel keeps MR rows x 16 outputs in registers and, per
+// input column k, converts the 16 int8 weights to float and scales them once, then uses them for the MR rows
+// (broadcast x[r][k], FMA). At batch 1 this reads about a quarter of fp32's weight bytes (decode is bound by
+// them); at large batch it is an fp32 GEMM on the fly-converted panel. Panels are split over torch's threads.
 constexpr int kPanel = 16;
 
 struct Int8Problem {
   const float* x;        // [M, K]
   const int8_t* w;       // [P, K, 16]
-  const float* scale;    // [P * 16]
+  const float* scale;    // [P, K / G, 16]
   const float* bias;     // [N] or null
   float* out;            // [M, N]
-  int64_t m, k, n;
+  int64_t m, k, n, group;
 };
 
 inline void int8_store(const Int8Problem& I, int64_t row, int64_t n0, const float* acc16) {
   const int64_t nn = std::min<int64_t>(kPanel, I.n - n0);
   float* o = I.out + row * I.n + n0;
-  for (int64_t j = 0; j < nn; ++j) o[j] = acc16[j] * I.scale[n0 + j] + (I.bias ? I.bias[n0 + j] : 0.f);
+  for (int64_t j = 0; j < nn; ++j) o[j] = acc16[j] + (I.bias ? I.bias[n0 + j] : 0.f);
 }
 
 void int8_panel_portable(const Int8Problem& I, int64_t p) {
@@ -586,8 +587,10 @@ void int8_panel_portable(const Int8Problem& I, int64_t p) {
   for (int64_t r = 0; r < I.m; ++r) {
     const float* x = I.x + r * I.k;
     std::fill(acc, acc + kPanel, 0.f);
-    for (int64_t k = 0; k < I.k; ++k)
-      for (int j = 0; j < kPanel; ++j) acc[j] += x[k] * static_cast<float>(w[k * kPanel + j]);
+    for (int64_t k = 0; k < I.k; ++k) {
+      const float* sc = I.scale + (p * (I.k / I.group) + k / I.group) * kPanel;
+      for (int j = 0; j < kPanel; ++j) acc[j] += x[k] * (static_cast<float>(w[k * kPanel + j]) * sc[j]);
+    }
     int8_store(I, r, p * kPanel, acc);
   }
 }
@@ -595,21 +598,51 @@ void int8_panel_portable(const Int8Problem& I, int64_t p) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-template <int MR>
-inline void int8_micro(const Int8Problem& I, int64_t p, int64_t r0) {
-  const int8_t* w = I.w + p * I.k * kPanel;
+// Weight source of the micro-kernel: int8 converted and scaled per column on the fly (few rows: the weights are
+// read once, so converting in registers is cheapest), or a float panel converted once into scratch (many rows:
+// the conversion is then paid once per panel instead of once per 6 rows).
+struct Int8Weights {
+  const int8_t* w;   // [K, 16]
+  const float* sc;   // [K / G, 16]
+  int64_t group;
+  __m256 s0, s1;     // the current group's scales
+  inline void begin_group(int64_t g0) {
+    s0 = _mm256_loadu_ps(sc + (g0 / group) * kPanel);
+    s1 = _mm256_loadu_ps(sc + (g0 / group) * kPanel + 8);
+  }
+  inline void get(int64_t k, __m256& w0, __m256& w1) const {
+    const __m128i wq = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel));
+    w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(wq)), s0);
+    w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(wq, 8))), s1);
+  }
+};
+
+struct FloatWeights {
+  const float* w;  // [K, 16]
+  int64_t group;   // = K: one "group"
+  inline void begin_group(int64_t) {}
+  inline void get(int64_t k, __m256& w0, __m256& w1) const {
+    w0 = _mm256_load_ps(w + k * kPanel);
+    w1 = _mm256_load_ps(w + k * kPanel + 8);
+  }
+};
+
+template <int MR, typename W>
+inline void int8_micro(const Int8Problem& I, W wsrc, int64_t p, int64_t r0) {
   const float* x = I.x + r0 * I.k;
-  const int64_t kk = I.k;
+  const int64_t kk = I.k, group = wsrc.group;
   __m256 acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < kk; ++k) {
-    const __m128i wq = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel));
-    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(wq));
-    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(wq, 8)));
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + r * kk + k);
-      acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+  for (int64_t g0 = 0; g0 < kk; g0 += group) {
+    wsrc.begin_group(g0);
+    for (int64_t k = g0; k < g0 + group; ++k) {
+      __m256 w0, w1;
+      wsrc.get(k, w0, w1);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * kk + k);
+        acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+      }
     }
   }
   // Spill the tile with constant indices only: a loop over r calling int8_store would make acc addressable and
@@ -623,25 +656,42 @@ inline void int8_micro(const Int8Problem& I, int64_t p, int64_t r0) {
   for (int r = 0; r < MR; ++r) int8_store(I, r0 + r, p * kPanel, buf + r * kPanel);
 }
 
-void int8_panel_avx2(const Int8Problem& I, int64_t p) {
+template <typename W>
+void int8_rows(const Int8Problem& I, const W& wsrc, int64_t p) {
   int64_t r = 0;
-  for (; r + 6 <= I.m; r += 6) int8_micro<6>(I, p, r);
+  for (; r + 6 <= I.m; r += 6) int8_micro<6>(I, wsrc, p, r);
   switch (I.m - r) {
-    case 5: int8_micro<5>(I, p, r); break;
-    case 4: int8_micro<4>(I, p, r); break;
-    case 3: int8_micro<3>(I, p, r); break;
-    case 2: int8_micro<2>(I, p, r); break;
-    case 1: int8_micro<1>(I, p, r); break;
+    case 5: int8_micro<5>(I, wsrc, p, r); break;
+    case 4: int8_micro<4>(I, wsrc, p, r); break;
+    case 3: int8_micro<3>(I, wsrc, p, r); break;
+    case 2: int8_micro<2>(I, wsrc, p, r); break;
+    case 1: int8_micro<1>(I, wsrc, p, r); break;
     default: break;
   }
+}
+
+// `panel` is thread scratch of K x 16 floats (32-byte aligned), used when there are more than 6 rows.
+void int8_panel_avx2(const Int8Problem& I, int64_t p, float* panel) {
+  Int8Weights q{I.w + p * I.k * kPanel, I.scale + p * (I.k / I.group) * kPanel, I.group, {}, {}};
+  if (I.m <= 6) return int8_rows(I, q, p);
+  for (int64_t g0 = 0; g0 < I.k; g0 += I.group) {
+    q.begin_group(g0);
+    for (int64_t k = g0; k < g0 + I.group; ++k) {
+      __m256 w0, w1;
+      q.get(k, w0, w1);
+      _mm256_store_ps(panel + k * kPanel, w0);
+      _mm256_store_ps(panel + k * kPanel + 8, w1);
+    }
+  }
+  int8_rows(I, FloatWeights{panel, I.k}, p);
 }
 
 #pragma GCC pop_options
 
 void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& scale,
                  const std::optional<at::Tensor>& bias, at::Tensor& out, bool force_portable) {
-  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-                    "x must be a contiguous float32 [M, K] CPU tensor");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
+                        x.size(1) > 0, "x must be a contiguous float32 [M, K] CPU tensor with K > 0");
   TORCH_CHECK_VALUE(w_packed.device().is_cpu() && w_packed.scalar_type() == at::kChar && w_packed.dim() == 3 &&
                         w_packed.size(2) == kPanel && w_packed.is_contiguous(),
                     "w_packed must be a contiguous int8 [N/16, K, 16] CPU tensor");
@@ -653,19 +703,22 @@ void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tens
   TORCH_CHECK_VALUE(n > (panels - 1) * kPanel && n <= panels * kPanel, "out has N=", n, " columns, w_packed holds ",
                     panels, " panels of ", kPanel);
   TORCH_CHECK_VALUE(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
-                        scale.numel() == panels * kPanel, "scale must be a contiguous float32 tensor of ",
-                    panels * kPanel, " entries");
+                        scale.dim() == 3 && scale.size(0) == panels && scale.size(2) == kPanel && scale.size(1) > 0 &&
+                        k % scale.size(1) == 0,
+                    "scale must be a contiguous float32 [N/16, groups, 16] tensor with groups dividing K=", k);
   if (bias) {
     TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                           bias->numel() == n, "bias must be a contiguous float32 tensor of N=", n, " entries");
   }
   Int8Problem I{x.data_ptr<float>(), w_packed.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, k, n};
+                bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, k, n, k / scale.size(1)};
   if (m == 0) return;
   const bool avx = !force_portable && cpu_has_avx2();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> scratch(avx && m > 6 ? k * kPanel + 8 : 0);
+    float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 31) & ~uintptr_t{31});
     for (int64_t p = p0; p < p1; ++p) {
-      if (avx) int8_panel_avx2(I, p); else int8_panel_portable(I, p);
+      if (avx) int8_panel_avx2(I, p, panel); else int8_panel_portable(I, p);
     }
   });
 }
