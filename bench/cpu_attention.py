@@ -22,9 +22,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine.threads import configure_threads  # noqa: E402
+
+# before torch loads: passive OpenMP waiting unless the environment says otherwise; the policy sweep's children
+# take exactly the environment their parent gives them
+THREADS = configure_threads(1, wait_policy=None if "--policy-probe" in sys.argv else "passive")
+
+import torch  # noqa: E402
+
 from bench.common import median, write_section  # noqa: E402
 from engine.attention import build_metadata, get_backend  # noqa: E402
 
@@ -85,6 +91,42 @@ def layer_rows(threads, slots_list, layers: int, repeats: int) -> list[str]:
             rows.append(f"| 64 x ~{slots} | {n} | {tt * 1e3:.2f} ms | {tc * 1e3:.2f} ms | {tt / tc:.2f}x | {diff:.1e} |")
         del caches
     return rows
+
+
+# ---- torch's flex_attention (evaluation) ------------------------------------------------------------------
+def flex_rows(slots: int, repeats: int) -> list[str]:
+    """flex_attention compiled for CPU on the decode shape with K/V already contiguous per sequence (no paging, no
+    mask: its best case), against the paged kernel on the same values."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch.set_num_threads(1)
+    num_seqs = 64
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(num_seqs, HQ, 1, D, generator=g)
+    k, v = (torch.randn(num_seqs, HKV, slots, D, generator=g) for _ in range(2))
+    t0 = time.perf_counter()
+    fa = torch.compile(flex_attention, dynamic=False)
+    fa(q, k, v, enable_gqa=True)
+    compile_s = time.perf_counter() - t0
+    flex_t = median(timed(lambda: fa(q, k, v, enable_gqa=True), repeats))
+    k2, v2 = (torch.randn(num_seqs, HKV, slots + 16, D, generator=g) for _ in range(2))
+    t0 = time.perf_counter()
+    fa(q, k2, v2, enable_gqa=True)
+    recompile_s = time.perf_counter() - t0
+    # the same K/V in pages of 16 (sequence s owns blocks s*P .. s*P+P-1), attended by the C++ kernel
+    pages = slots // BS
+    cache = torch.empty(num_seqs * pages, 2, BS, HKV, D)
+    cache[:, 0] = k.permute(0, 2, 1, 3).reshape(num_seqs * pages, BS, HKV, D)
+    cache[:, 1] = v.permute(0, 2, 1, 3).reshape(num_seqs * pages, BS, HKV, D)
+    meta = build_metadata([list(range(s * pages, (s + 1) * pages)) for s in range(num_seqs)], [1] * num_seqs,
+                          [slots] * num_seqs, BS, write=False)
+    be = get_backend("cpu", "cpu")
+    be.plan(meta, HQ, HKV, D, torch.float32)
+    qk = q[:, :, 0].contiguous()
+    kern_t = median(timed(lambda: be.forward(qk, None, None, cache, meta, D ** -0.5), repeats))
+    diff = (be.forward(qk, None, None, cache, meta, D ** -0.5) - fa(q, k, v, enable_gqa=True)[:, :, 0]).abs().max()
+    return [f"| 64 x {slots}, 1 thread | {compile_s:.1f} s | {recompile_s:.1f} s | {flex_t * 1e3:.2f} ms | "
+            f"{kern_t * 1e3:.2f} ms | {diff.item():.1e} |"]
 
 
 # ---- whole decode step -------------------------------------------------------------------------------------
@@ -234,18 +276,23 @@ def policy_probe(batches, slots: int, repeats: int) -> dict:
     return out
 
 
+POLICIES = {"passive (engine.threads default)": {"OMP_WAIT_POLICY": "PASSIVE"},
+            "libgomp default (spin ~300k, then sleep)": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": ""},
+            "GOMP_SPINCOUNT=1000": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "1000"},
+            "active": {"OMP_WAIT_POLICY": "ACTIVE"}}
+
+
 def policy_rows(batches, slots: int, repeats: int) -> list[str]:
     rows = []
-    for policy in ("default", "PASSIVE", "ACTIVE"):
-        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-        if policy != "default":
-            env["OMP_WAIT_POLICY"] = policy
+    for policy, settings in POLICIES.items():
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        env.update({k: v for k, v in settings.items() if v})
         cmd = [sys.executable, __file__, "--policy-probe", json.dumps([batches, slots, repeats])]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
         r = json.loads(res.stdout.strip().splitlines()[-1])
         for b in batches:
             one, two = r[f"{b} 1"], r[f"{b} 2"]
-            rows.append(f"| {policy.lower()} | {b} x ~{slots} | {one * 1e3:.0f} ms | {two * 1e3:.0f} ms | "
+            rows.append(f"| {policy} | {b} x ~{slots} | {one * 1e3:.0f} ms | {two * 1e3:.0f} ms | "
                         f"{one / two:.2f}x |")
     return rows
 
@@ -260,6 +307,7 @@ def main() -> None:
     ap.add_argument("--skip-model", action="store_true", help="skip the whole-model decode step")
     ap.add_argument("--skip-int8", action="store_true", help="skip the int8 rows, GEMM options and agreement")
     ap.add_argument("--skip-policy", action="store_true", help="skip the OpenMP wait-policy runs")
+    ap.add_argument("--skip-flex", action="store_true", help="skip the flex_attention evaluation (compiles ~1 min)")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     ap.add_argument("--policy-probe", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -271,6 +319,11 @@ def main() -> None:
     out = ["| decode batch x KV slots | threads | torch backend | cpu kernel | speed-up | max abs diff |",
            "|---|---:|---:|---:|---:|---:|"]
     out += layer_rows(args.threads, args.slots, args.layers, args.repeats)
+    if not args.skip_flex:
+        out += ["", "| torch.compile(flex_attention), decode | compile + first call | recompile for a new KV length "
+                    "| flex per call (contiguous K/V) | paged kernel per call (same values, in pages) | max abs diff |",
+                "|---|---:|---:|---:|---:|---:|"]
+        out += flex_rows(args.slots[0], args.repeats)
     if not args.skip_model or not args.skip_int8:
         model, cfg = load_smollm2()
     if not args.skip_model:
@@ -301,8 +354,9 @@ def main() -> None:
              f"{args.layers} layers' pages x {args.repeats} repeats x 3 alternations. Decode step: model forward + "
              f"LM head. GEMM options: the sum over SmolLM2's linear shapes x their counts (+ tied LM head), "
              f"1 thread. Agreement: Engine.generate, greedy, ignore_eos, {args.agreement_tokens} tokens, 1 thread. "
-             f"Wait policy: one child process per policy (set before torch loads). 1-minute load average at start "
-             f"{load:.2f} on {os.cpu_count()} cores; {time.time() - t_start:.0f} s.")
+             f"Wait policy: one child process per setting (in the environment before torch loads); all other rows "
+             f"run with {THREADS.wait_policy or 'the default'} waiting. 1-minute load average at start {load:.2f} on "
+             f"{os.cpu_count()} cores; {time.time() - t_start:.0f} s.")
     print(body)
     if not args.no_write:
         cmd = "python bench/cpu_attention.py " + " ".join(sys.argv[1:])

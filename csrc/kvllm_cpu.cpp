@@ -8,8 +8,8 @@
 // kv_last_page_len. Sequence b owns query rows [qo[b], qo[b+1]) and kv_len slots; query i of its q_len rows
 // attends slots [0, kv_len - q_len + i] (causal, bottom-right aligned in slot space).
 //
-// One work item = (sequence, KV head, tile of query tokens). Its g = Hq / Hkv query heads are processed
-// together so each K/V row is read from memory once per item. Softmax is online over chunks of kChunk slots
+// One work item = (sequence, KV heads, tile of query tokens). The g = Hq / Hkv query heads of a KV head are
+// processed together so each K/V row is read from memory once per item. Softmax is online over chunks of kChunk slots
 // (arXiv:2205.14135) in base 2 (q is pre-scaled by scale * log2 e). Items are split over torch's own intra-op
 // OpenMP pool (at::parallel_for), so there is no second thread pool and torch.set_num_threads applies.
 //
@@ -34,7 +34,7 @@
 namespace kvllm_cpu {
 namespace {
 
-constexpr int kChunk = 32;     // KV slots per online-softmax step (K and V chunk stay in L1)
+constexpr int kChunk = 32;     // KV slots per online-softmax step (one head's K and V chunk: 16 KiB at D=64, in L1)
 constexpr int kTileTokens = 8; // prefill: query tokens per work item (x g heads share each K/V row)
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -368,10 +368,9 @@ struct Avx2 {
 #pragma GCC pop_options
 
 // ---- one work item -------------------------------------------------------------------------------------
-// Item rows are ordered (KV head, query token, head in group). Per chunk of slots the KV heads are taken one
-// after the other: the chunk's K (and V) rows of all heads of a slot are contiguous in a block
-// ([block_size, Hkv, D]), so an item covering all KV heads streams whole blocks instead of every Hkv-th
-// 256-byte piece (measured: 2x faster from DRAM than one item per KV head at 64 x 256 slots).
+// Item rows are ordered (KV head, query token, head in group). An item normally covers all KV heads: the K (and
+// V) rows of all heads of a slot are contiguous in a block ([block_size, Hkv, D]), so each chunk of slots is
+// first streamed in address order (stream_chunk), then computed head by head from cache.
 template <typename K, typename T>
 void run_item(const Problem& P, const Item& it, Scratch& sc) {
   const int64_t d = P.d, g = P.g;
@@ -484,6 +483,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   TORCH_CHECK_VALUE(qo[0] == 0 && qo[B] == T, "qo_indptr must run from 0 to the number of query rows (", T, "), got ",
                     qo[0], "..", qo[B]);
   TORCH_CHECK_VALUE(kvp[0] == 0 && kvp[B] <= kv_indices.numel(), "kv_indptr must run from 0 to at most len(kv_indices)");
+  for (int64_t b = 0; b < B; ++b)  // before any index is read through them
+    TORCH_CHECK_VALUE(qo[b + 1] >= qo[b] && kvp[b + 1] >= kvp[b], "qo_indptr and kv_indptr must be non-decreasing");
   std::vector<int32_t> kv_lens(B);
   const int64_t g = hq / hkv;
   // All KV heads in one item (contiguous reads, see run_item) unless that leaves fewer than 4 items per
@@ -495,7 +496,6 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   std::vector<int64_t> cost;  // per item: attended slots summed over its query tokens, plus a fixed overhead
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = qo[b + 1] - qo[b], pages = kvp[b + 1] - kvp[b];
-    TORCH_CHECK_VALUE(q_len >= 0 && pages >= 0, "qo_indptr and kv_indptr must be non-decreasing");
     TORCH_CHECK_VALUE(pages == 0 ? q_len == 0 : (last[b] >= 1 && last[b] <= bs),
                       "kv_last_page_len[", b, "] = ", last[b], " must be in [1, block_size=", bs, "]");
     const int64_t kv_len = pages ? (pages - 1) * bs + last[b] : 0;

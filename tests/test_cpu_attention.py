@@ -240,6 +240,10 @@ def test_bad_inputs_raise_value_errors_naming_the_field():
     with pytest.raises(ValueError, match="kv_len 2 < q_len 3"):
         short = build_metadata(meta.block_tables, [3, 1], [3, 6], 4)
         _call(q, cache, short, kv_last_page_len=torch.tensor([2, 2], dtype=torch.int32))
+    bad_indptr = meta.kv_indptr.clone()
+    bad_indptr[1] = 100  # would point past kv_indices
+    with pytest.raises(ValueError, match="non-decreasing"):
+        _call(q, cache, meta, kv_indptr=bad_indptr)
     with pytest.raises(ValueError, match="q must be"):
         _call(q.double(), cache, meta)
     with pytest.raises(ValueError, match="q must be a contiguous"):
