@@ -1,8 +1,10 @@
+import logging
+
 from engine.attention.base import AttentionBackend, AttentionMetadata, build_metadata
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "build_metadata", "get_backend"]
 
-logger = __import__("logging").getLogger("kvllm.attention")
+logger = logging.getLogger("kvllm.attention")
 
 
 def get_backend(name: str, device) -> "AttentionBackend":
