@@ -21,7 +21,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#define KVLLM_X86 1  // the AVX2 code below; elsewhere only the portable kernels are compiled
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -197,6 +200,7 @@ struct Portable {
 };
 
 // ---- AVX2 + FMA kernels (D % 8 == 0) -------------------------------------------------------------------
+#ifdef KVLLM_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
@@ -366,6 +370,7 @@ struct Avx2 {
 };
 
 #pragma GCC pop_options
+#endif  // KVLLM_X86
 
 // ---- one work item -------------------------------------------------------------------------------------
 // Item rows are ordered (KV head, query token, head in group). An item normally covers all KV heads: the K (and
@@ -435,11 +440,15 @@ void run_items(const Problem& P, const std::vector<Item>& items, const std::vect
 }
 
 bool cpu_has_avx2() {
+#ifdef KVLLM_X86
   static const bool ok = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   }();
   return ok;
+#else
+  return false;
+#endif
 }
 
 DType dtype_of(const at::Tensor& t, const char* name) {
@@ -553,7 +562,10 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::
       case DType::F16: run_items<K, c10::Half>(P, items, bounds); break;
     }
   };
-  if (avx) go(Avx2{}); else go(Portable{});
+#ifdef KVLLM_X86
+  if (avx) return go(Avx2{});
+#endif
+  go(Portable{});
 }
 
 
@@ -595,6 +607,7 @@ void int8_panel_portable(const Int8Problem& I, int64_t p) {
   }
 }
 
+#ifdef KVLLM_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
@@ -687,6 +700,7 @@ void int8_panel_avx2(const Int8Problem& I, int64_t p, float* panel) {
 }
 
 #pragma GCC pop_options
+#endif  // KVLLM_X86
 
 void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& scale,
                  const std::optional<at::Tensor>& bias, at::Tensor& out, bool force_portable) {
@@ -718,7 +732,13 @@ void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tens
     std::vector<float> scratch(avx && m > 6 ? k * kPanel + 8 : 0);
     float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 31) & ~uintptr_t{31});
     for (int64_t p = p0; p < p1; ++p) {
-      if (avx) int8_panel_avx2(I, p, panel); else int8_panel_portable(I, p);
+#ifdef KVLLM_X86
+      if (avx) {
+        int8_panel_avx2(I, p, panel);
+        continue;
+      }
+#endif
+      int8_panel_portable(I, p);
     }
   });
 }

@@ -1,4 +1,4 @@
-"""Builds and loads the CPU paged-attention kernel (csrc/kvllm_cpu.cpp) as a torch op library.
+"""Builds and loads kvllm's CPU kernels (csrc/kvllm_cpu.cpp: paged attention, int8 linear) as a torch op library.
 
 The library is compiled with one direct compiler call (no ninja, no pybind11: the op is registered with
 TORCH_LIBRARY and loaded with torch.ops.load_library), which takes ~20 s on 2 cores. Its file name carries a hash
