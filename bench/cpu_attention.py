@@ -53,8 +53,9 @@ def decode_meta(num_seqs: int, slots: int, num_blocks: int, seed: int = 0):
     return build_metadata(tables, [1] * num_seqs, kv_lens, BS)
 
 
-def timed(fn, repeats: int) -> list[float]:
-    fn()
+def timed(fn, repeats: int, warmup: bool = True) -> list[float]:
+    if warmup:
+        fn()
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -139,7 +140,7 @@ def load_smollm2():
     return model, cfg
 
 
-def gemm_floor(model, batch: int, repeats: int) -> list[float]:
+def gemm_floor(model, batch: int, repeats: int, warmup: bool = True) -> list[float]:
     """Bare GEMMs of one decode step at `batch` with the float32 weights: every nn.Linear + the (tied) LM head."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if model.lm_head is None:
@@ -151,7 +152,7 @@ def gemm_floor(model, batch: int, repeats: int) -> list[float]:
             torch.nn.functional.linear(xs[w.shape[1]], w)
 
     with torch.inference_mode():
-        return timed(once, repeats)
+        return timed(once, repeats, warmup)
 
 
 def model_rows(model, cfg, int8_model, threads, slots_list, repeats: int) -> list[str]:
@@ -175,14 +176,18 @@ def model_rows(model, cfg, int8_model, threads, slots_list, repeats: int) -> lis
             torch.set_num_threads(n)
             t = {"torch": [], "cpu": [], "int8": []}
             floors = []
+            sides = [("torch", lambda: step(backends["torch"])), ("cpu", lambda: step(backends["cpu"]))]
+            if int8_model is not None:
+                sides.append(("int8", lambda: step(backends["cpu"], int8_model)))
             with torch.inference_mode():
-                for _ in range(2):
-                    floors += gemm_floor(model, num_seqs, repeats if num_seqs > 1 else 4 * repeats)
-                    reps = repeats if num_seqs > 1 else 4 * repeats
-                    for name, b in backends.items():
-                        t[name] += timed(lambda: step(b), reps)
-                    if int8_model is not None:
-                        t["int8"] += timed(lambda: step(backends["cpu"], int8_model), reps)
+                gemm_floor(model, num_seqs, 1)
+                for _, fn in sides:
+                    fn()  # warm-up
+                # one call of each side per round, so a change in the machine's load hits all sides alike
+                for _ in range(3 * repeats if num_seqs > 1 else 12 * repeats):
+                    floors += gemm_floor(model, num_seqs, 1, warmup=False)
+                    for name, fn in sides:
+                        t[name] += timed(fn, 1, warmup=False)
             fl = median(floors)
             cells = [f"{median(t[k]) * 1e3:.1f} ms ({median(t[k]) / fl:.2f}x)" if t[k] else "-"
                      for k in ("torch", "cpu", "int8")]
