@@ -89,8 +89,8 @@ def layer_rows(threads, slots_list, layers: int, repeats: int) -> list[str]:
                             b.forward(q, k, v, c, meta, D ** -0.5)
                     t[name] += [x / layers for x in timed(call, repeats)]
             tt, tc = median(t["torch"]), median(t["cpu"])
-            rows.append(f"| 64 x ~{slots} | {n} | {tt * 1e3:.2f} ms | {tc * 1e3:.2f} ms | {tt / tc:.2f}x | {diff:.1e} |")
-        del caches
+            rows.append(f"| 64 x ~{slots} | {n} | {tt * 1e3:.2f} ms | {tc * 1e3:.2f} ms | {tt / tc:.2f}x "
+                        f"| {diff:.1e} |")
     return rows
 
 
@@ -192,7 +192,6 @@ def model_rows(model, cfg, int8_model, threads, slots_list, repeats: int) -> lis
             cells = [f"{median(t[k]) * 1e3:.1f} ms ({median(t[k]) / fl:.2f}x)" if t[k] else "-"
                      for k in ("torch", "cpu", "int8")]
             rows.append(f"| {num_seqs} x ~{slots} | {n} | {fl * 1e3:.1f} ms | " + " | ".join(cells) + " |")
-        del kv
     return rows
 
 
@@ -344,11 +343,11 @@ def main() -> None:
                 "|---|---:|---:|---:|---:|---:|"]
         out += model_rows(model, cfg, int8_model, args.threads, args.slots, args.repeats)
     if not args.skip_int8:
-        out += ["", "| batch | fp32 F.linear | aten._weight_int8pack_mm | dequantize + F.linear | kvllm int8_linear (groups of 32) |",
-                "|---:|---:|---:|---:|---:|"]
+        out += ["", "| batch | fp32 F.linear | aten._weight_int8pack_mm | dequantize + F.linear "
+                    "| kvllm int8_linear (groups of 32) |", "|---:|---:|---:|---:|---:|"]
         out += int8_gemm_rows(model, args.repeats)
-        out += ["", f"| prompt | int8 greedy tokens equal to fp32 before the first difference | equal at the same "
-                    f"position |", "|---|---:|---:|"]
+        out += ["", "| prompt | int8 greedy tokens equal to fp32 before the first difference | equal at the same "
+                    "position |", "|---|---:|---:|"]
         out += agreement_rows(args.agreement_tokens)
     if not args.skip_policy:
         out += ["", "| OMP_WAIT_POLICY | decode step, batch x KV slots | 1 thread | 2 threads | 2-thread speed-up |",

@@ -64,19 +64,31 @@ struct Problem {
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
 
+template <typename T>
+inline void load_row_t(const T* p, int64_t d, float scale, float* dst) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = to_f(p[i]) * scale;
+}
+
+template <typename T>
+inline void store_row_t(T* p, int64_t d, float mul, const float* src) {
+  for (int64_t i = 0; i < d; ++i) p[i] = static_cast<T>(src[i] * mul);
+}
+
+// dst[0, d) = row idx of a q-typed tensor, times scale
 inline void load_row(const void* base, DType t, int64_t idx, int64_t d, float scale, float* dst) {
   switch (t) {
-    case DType::F32: { auto p = static_cast<const float*>(base) + idx; for (int64_t i = 0; i < d; ++i) dst[i] = p[i] * scale; break; }
-    case DType::BF16: { auto p = static_cast<const c10::BFloat16*>(base) + idx; for (int64_t i = 0; i < d; ++i) dst[i] = to_f(p[i]) * scale; break; }
-    case DType::F16: { auto p = static_cast<const c10::Half*>(base) + idx; for (int64_t i = 0; i < d; ++i) dst[i] = to_f(p[i]) * scale; break; }
+    case DType::F32: return load_row_t(static_cast<const float*>(base) + idx, d, scale, dst);
+    case DType::BF16: return load_row_t(static_cast<const c10::BFloat16*>(base) + idx, d, scale, dst);
+    case DType::F16: return load_row_t(static_cast<const c10::Half*>(base) + idx, d, scale, dst);
   }
 }
 
+// row idx of an out-typed tensor = src[0, d) times mul
 inline void store_row(void* base, DType t, int64_t idx, int64_t d, float mul, const float* src) {
   switch (t) {
-    case DType::F32: { auto p = static_cast<float*>(base) + idx; for (int64_t i = 0; i < d; ++i) p[i] = src[i] * mul; break; }
-    case DType::BF16: { auto p = static_cast<c10::BFloat16*>(base) + idx; for (int64_t i = 0; i < d; ++i) p[i] = c10::BFloat16(src[i] * mul); break; }
-    case DType::F16: { auto p = static_cast<c10::Half*>(base) + idx; for (int64_t i = 0; i < d; ++i) p[i] = c10::Half(src[i] * mul); break; }
+    case DType::F32: return store_row_t(static_cast<float*>(base) + idx, d, mul, src);
+    case DType::BF16: return store_row_t(static_cast<c10::BFloat16*>(base) + idx, d, mul, src);
+    case DType::F16: return store_row_t(static_cast<c10::Half*>(base) + idx, d, mul, src);
   }
 }
 
@@ -471,10 +483,13 @@ void check_index(const at::Tensor& t, const char* name, int64_t min_len) {
 void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& qo_indptr,
                      const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
                      double scale, at::Tensor& out, bool force_portable) {
-  TORCH_CHECK_VALUE(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, Hq, D] CPU tensor");
-  TORCH_CHECK_VALUE(kv_cache.device().is_cpu() && kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
+  TORCH_CHECK_VALUE(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(),
+                    "q must be a contiguous [T, Hq, D] CPU tensor");
+  TORCH_CHECK_VALUE(kv_cache.device().is_cpu() && kv_cache.dim() == 5 && kv_cache.size(1) == 2 &&
+                        kv_cache.is_contiguous(),
                     "kv_cache must be a contiguous [num_blocks, 2, block_size, Hkv, D] CPU tensor");
-  TORCH_CHECK_VALUE(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous() && out.device().is_cpu(),
+  TORCH_CHECK_VALUE(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous() &&
+                        out.device().is_cpu(),
                     "out must be a contiguous CPU tensor with q's shape and dtype");
   const int64_t T = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t num_blocks = kv_cache.size(0), bs = kv_cache.size(2), hkv = kv_cache.size(3);
@@ -491,9 +506,11 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   const int32_t* last = kv_last_page_len.data_ptr<int32_t>();
   TORCH_CHECK_VALUE(qo[0] == 0 && qo[B] == T, "qo_indptr must run from 0 to the number of query rows (", T, "), got ",
                     qo[0], "..", qo[B]);
-  TORCH_CHECK_VALUE(kvp[0] == 0 && kvp[B] <= kv_indices.numel(), "kv_indptr must run from 0 to at most len(kv_indices)");
+  TORCH_CHECK_VALUE(kvp[0] == 0 && kvp[B] <= kv_indices.numel(),
+                    "kv_indptr must run from 0 to at most len(kv_indices)");
   for (int64_t b = 0; b < B; ++b)  // before any index is read through them
-    TORCH_CHECK_VALUE(qo[b + 1] >= qo[b] && kvp[b + 1] >= kvp[b], "qo_indptr and kv_indptr must be non-decreasing");
+    TORCH_CHECK_VALUE(qo[b + 1] >= qo[b] && kvp[b + 1] >= kvp[b],
+                      "qo_indptr and kv_indptr must be non-decreasing");
   std::vector<int32_t> kv_lens(B);
   const int64_t g = hq / hkv;
   // All KV heads in one item (contiguous reads, see run_item) unless that leaves fewer than 4 items per
