@@ -72,6 +72,7 @@ class EngineConfig:
     watermark: float = 0.01
     enable_prefix_caching: bool = True
     seed: int = 0
+    quantization: str | None = None  # "int8": weight-only int8 linear layers (CPU)
     # memory pressure (engine/scheduler.py)
     scheduling_policy: str = "fcfs"
     admission_optimism: float = 1.0
@@ -93,6 +94,8 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         for name in ("swap_space", "lossless_host_memory"):
             if getattr(self, name) not in (0, "0"):
                 parse_memory(getattr(self, name))  # a clear error now

@@ -39,6 +39,12 @@ class EngineCore:
         self.device = config.resolve_device()
         self.dtype = parse_dtype(config.dtype, self.device)
         self.model, self.model_config, self.tokenizer = load_model(config.model, self.dtype, self.device)
+        if config.quantization == "int8":
+            if self.device.type != "cpu":
+                raise ValueError("quantization='int8' is for the CPU path (its kernel is AVX2 C++)")
+            from engine.models.quant import quantize_int8
+
+            quantize_int8(self.model)
         cfg = self.model_config
         max_model_len = config.resolve_max_model_len(cfg.max_position_embeddings)
         num_blocks = config.resolve_num_blocks(cfg, self.dtype, self.device)

@@ -145,3 +145,19 @@ def test_quantize_rejects_non_cpu_models():
     _, _, quant = _tiny_models()
     with pytest.raises(ValueError, match="CPU models only"):
         quantize_int8(quant.to("meta"))
+
+
+def test_engine_quantization_flag_runs_int8_and_reaches_the_cli(make_engine):
+    from engine import SamplingParams
+    from engine.models.quant import Int8Linear
+    from server.cli import build_parser, engine_kwargs_from_args
+
+    kw = engine_kwargs_from_args(build_parser().parse_args(["serve", "--quantization", "int8", "--threads", "1"]))
+    assert kw == {"quantization": "int8"}  # --threads is applied before torch loads, not an engine argument
+    eng = make_engine(quantization="int8")
+    assert any(isinstance(m, Int8Linear) for m in eng.model.modules())
+    out = eng.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+    with pytest.raises(ValueError, match="quantization"):
+        make_engine(quantization="int4")

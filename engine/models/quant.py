@@ -110,6 +110,8 @@ def quantize_int8(model: nn.Module, lm_head: bool = True, group_size: int | None
     place; returns the model. CPU only; raises ValueError on a CUDA model or a bad group_size and
     cpu_ext.ExtensionUnavailable when the kernel cannot be built."""
     device = next(model.parameters()).device
+    if getattr(getattr(model, "tp", None), "size", 1) != 1:
+        raise ValueError("quantize_int8 does not shard: use it with tensor_parallel_size 1")
     if device.type != "cpu":
         raise ValueError(f"quantize_int8 runs on CPU models only, got a model on {device}")
     from engine.attention import cpu_ext
@@ -119,7 +121,9 @@ def quantize_int8(model: nn.Module, lm_head: bool = True, group_size: int | None
     with torch.no_grad():
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear and child is not getattr(model, "lm_head", None):
+                # the TP layers subclass nn.Linear; unsharded (tp size 1) they are plain linears
+                unsharded = getattr(getattr(child, "tp", None), "size", 1) == 1
+                if isinstance(child, nn.Linear) and unsharded and child is not getattr(model, "lm_head", None):
                     setattr(parent, name, Int8Linear(child, group_size))
         if lm_head:
             head = getattr(model, "lm_head", None)
