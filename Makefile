@@ -7,7 +7,7 @@ PORT ?= 8000
 MODEL ?= smollm2
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench clean cpu-ext
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,7 +22,18 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --no-deps kvpress==0.5.5
 	touch $@
 
-install: $(VENV)/.installed
+# The CPU attention kernel (csrc/kvllm_cpu.cpp) is compiled here, once, into build/cpu_ext/ (git-ignored), so
+# tests and servers never pay the compile (~20 s on 2 cores: one g++ call on one small file, no ninja/pybind11).
+# The library's file name hashes the source, the compile command and the torch version, and
+# engine/attention/cpu_ext.py rebuilds on a mismatch, so a stale build is never loaded. Without a C++ compiler
+# this step only warns and the engine uses the (slower) torch attention backend.
+$(VENV)/.cpu_ext: $(VENV)/.installed csrc/kvllm_cpu.cpp engine/attention/cpu_ext.py
+	$(PY) -m engine.attention.cpu_ext || echo "warning: CPU attention kernel not built; the torch backend will be used"
+	touch $@
+
+cpu-ext: $(VENV)/.cpu_ext
+
+install: $(VENV)/.installed $(VENV)/.cpu_ext
 
 serve: install
 	$(VENV)/bin/kvllm serve $(MODEL) --host $(HOST) --port $(PORT)
@@ -34,4 +45,4 @@ bench: install
 	$(PY) bench/offline_throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis build/cpu_ext

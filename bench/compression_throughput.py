@@ -23,9 +23,9 @@ from engine import Engine, SamplingParams
 SETTINGS = {  # name -> (engine kwargs, per-request kv_compression key)
     "none": ({"compress_before_preempt": False}, "none"),
     "threshold": ({"compress_before_preempt": False}, "threshold"),
-    "kara, fcfs, preempt only": ({"compress_before_preempt": False}, "kara"),
-    "kara, fcfs": ({}, "kara"),
-    "kara, compression-aware": ({"scheduling_policy": "compression-aware"}, "kara"),
+    "kara-preempt-only": ({"compress_before_preempt": False}, "kara"),  # fcfs, no compress-before-preempt
+    "kara-fcfs": ({}, "kara"),
+    "kara-aware": ({"scheduling_policy": "compression-aware"}, "kara"),
 }
 
 
@@ -164,8 +164,8 @@ def main() -> None:
              f"submitted at once; block size {args.block_size}. kara: |W|={args.window}, |U|={args.buffer}, "
              f"r={args.ratio}, γ={args.chunk_max}, α={args.chunk_budget}, period {period}, query source "
              f"{args.query_source}. threshold: SnapKV, C_max={cmax} -> N={target}. Preemption mode "
-             f"{args.preemption_mode}. 'preempt only' is today's policy without compress-before-preempt; "
-             f"compression-aware admits by projected peak footprint. The last row is no compression on a pool for "
+             f"{args.preemption_mode}. kara-preempt-only: first-come admission, no compress-before-preempt (the "
+             f"old loop); kara-fcfs adds compress-before-preempt; kara-aware also admits by projected peak footprint. The last row is no compression on a pool for "
              f"every request, with the concurrency Kara reached: the throughput that concurrency is worth here.")
     png = DOCS.parent / "compression_throughput.png"
     plot(results, png)

@@ -90,8 +90,42 @@ def matmul_floor(engine: Engine, batch: int, repeats: int = 10, lm_head: bool = 
     return median(times)
 
 
+def prefix_caching_rows(args) -> str:
+    """The workload with a shared system prompt in front of every request, prefix caching on vs off: output tok/s and
+    the median / p90 time to first token (arrival to first token, from each RequestOutput's metrics)."""
+    rows = []
+    for on in (False, True):
+        engine = Engine(model="smollm2", dtype=args.dtype, device="cpu", max_num_seqs=64,
+                        max_num_batched_tokens=2048, max_model_len=2048, enable_prefix_caching=on)
+        system = text_prompts(engine.tokenizer, 1, args.prefix_len, seed=1)[0]
+        prompts = [system + p for p in text_prompts(engine.tokenizer, args.num_prompts, args.input_len)]
+        kvllm_run(engine, [p[-8:] for p in prompts[:4]], 4, 4)  # warm-up that caches nothing of the workload
+        engine.reset_stats()
+        params = SamplingParams(temperature=0, max_tokens=args.prefix_output_len, ignore_eos=True)
+        outs, wall = run_requests(engine, prompts, params, 64, prefix="p")
+        ttft = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outs)
+        st = engine.stats()
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        hit = st.prefix_cache_hits / st.prefix_cache_queries if st.prefix_cache_queries else 0.0
+        rows.append((on, tokens / wall, median(ttft), ttft[int(0.9 * (len(ttft) - 1))], hit, st.prompt_tokens_total))
+        del engine
+    lines = ["| prefix caching | output tok/s | median TTFT | p90 TTFT | prompt tokens computed | prefix hit rate |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for on, tps, t50, t90, hit, computed in rows:
+        lines.append(f"| {'on' if on else 'off'} | {tps:.1f} | {t50:.1f} s | {t90:.1f} s | {computed} "
+                     f"| {100 * hit:.0f}% |")
+    return "\n".join(lines) + (
+        f"\n\n{args.num_prompts} requests, each a shared {args.prefix_len}-token system prompt + its own "
+        f"{args.input_len}-token real-text prompt, {args.prefix_output_len} new tokens (greedy, ignore_eos), all "
+        f"submitted at once (TTFT includes queueing); {torch.get_num_threads()} CPU thread(s). With prefix caching "
+        f"the system prompt is computed by the first requests admitted and taken from the cache by the rest.")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefix-only", action="store_true", help="only the prefix-caching rows")
+    ap.add_argument("--prefix-len", type=int, default=512)
+    ap.add_argument("--prefix-output-len", type=int, default=64)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
@@ -105,6 +139,13 @@ def main() -> None:
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.prefix_only:
+        body = prefix_caching_rows(args)
+        print(body)
+        if not args.no_write:
+            write_section("Prefix caching (shared system prompt)", "python -m bench.offline_throughput "
+                          + " ".join(sys.argv[1:]), body)
+        return
 
     engine = Engine(model="smollm2", dtype=args.dtype, device="cpu", max_num_seqs=64, max_num_batched_tokens=2048,
                     max_model_len=2048)

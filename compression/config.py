@@ -22,6 +22,8 @@ Common fields:
     of the window tokens over the current cache), ``"cache"`` (each tail token's post-RoPE queries, stored by the
     step that computed it until its window is compressed: no second forward, memory L·Hq·D per tail token), or
     ``"auto"`` (cache on CPU where compute is scarce, recompute on CUDA).
+  * ``lossless`` — VeriCache-style exact decoding (engine/lossless.py): draft from the compressed cache, verify
+    against a full copy kept in host memory; ``horizon_min`` / ``horizon_max`` bound the adaptive draft length.
 """
 from __future__ import annotations
 
@@ -63,12 +65,15 @@ class _Common:
     observation_window: int = 32
     seed: int = 0
     query_source: str = "auto"
+    lossless: bool = False
+    horizon_min: int = 2
+    horizon_max: int = 32
 
 
 COMMON_FIELDS = tuple(f.name for f in fields(_Common))
 QUERY_SOURCES = ("auto", "recompute", "cache")
 _INT_FIELDS = ("window", "buffer", "compression_period", "threshold_max", "threshold_target", "observation_window",
-               "seed")
+               "seed", "horizon_min", "horizon_max")
 
 
 class KVCompressionConfig:
@@ -184,10 +189,13 @@ def _validate_common(c: _Common, spec: registry.MethodSpec, relations: bool = Tr
             raise field_error(name, "must be an integer", getattr(c, name))
     if not isinstance(c.compress_prompt, bool):
         raise field_error("compress_prompt", "must be a boolean", c.compress_prompt)
+    if not isinstance(c.lossless, bool):
+        raise field_error("lossless", "must be a boolean", c.lossless)
     if c.query_source not in QUERY_SOURCES:
         raise field_error("query_source", f"must be one of {list(QUERY_SOURCES)}", c.query_source)
     for name, low in (("window", 2), ("buffer", 1), ("compression_period", 1), ("observation_window", 1),
-                      ("threshold_target", 2), ("threshold_max", 3), ("seed", 0)):
+                      ("threshold_target", 2), ("threshold_max", 3), ("seed", 0), ("horizon_min", 1),
+                      ("horizon_max", 1)):
         if getattr(c, name) < low:
             raise field_error(name, f"must be >= {low}", getattr(c, name))
     if relations:  # between fields: only once the fields are complete (a request's dict may rely on the engine's)
@@ -201,6 +209,8 @@ def _validate_common(c: _Common, spec: registry.MethodSpec, relations: bool = Tr
                               c.threshold_target)
         if c.threshold_max <= c.threshold_target:
             raise field_error("threshold_max", f"must be > threshold_target ({c.threshold_target})", c.threshold_max)
+        if c.horizon_max < c.horizon_min:
+            raise field_error("horizon_max", f"must be >= horizon_min ({c.horizon_min})", c.horizon_max)
     return replace(c, ratio=float(c.ratio))
 
 

@@ -123,8 +123,8 @@ class CompressionStage:
         window, threshold = [], []
         for seq in running:
             st = seq.compression
-            if st is None or (seq.num_pending_tokens > 1 and seq.scoring is None):
-                continue  # off, or mid-prefill
+            if st is None or st.hold or (seq.num_pending_tokens > 1 and seq.scoring is None):
+                continue  # off, unverified drafts in the cache, or mid-prefill
             if st.config.policy == "threshold":
                 if seq.kv_len >= st.config.threshold_max:
                     threshold.append(seq)
@@ -143,7 +143,7 @@ class CompressionStage:
         cands = []
         for seq in running:
             st = seq.compression
-            if st is None or not st.config.periodic or (seq.num_pending_tokens > 1 and seq.scoring is None):
+            if st is None or st.hold or not st.config.periodic or (seq.num_pending_tokens > 1 and seq.scoring is None):
                 continue
             c = st.config
             tail = st.tail(seq.num_computed_tokens)
@@ -253,6 +253,7 @@ class CompressionStage:
         freed = kv.compact(jobs)
         for job, f in zip(jobs, freed):  # the threshold baseline re-scores the whole cache and keeps no frontier
             job.seq.compression.ever_compressed = True
+            job.seq.compression.exact = False
             self._count(job, int(job.kept.shape[-1]), f)
         self._finish_round(t0, q_all.device)
         return sum(freed)

@@ -62,6 +62,8 @@ class CompressionState:
     query_source: str = "recompute"  # resolved ("recompute" or "cache")
     kept_per_window: int = 0  # region slots the method keeps of a full window (for footprint projections)
     queries: QueryCache | None = None
+    exact: bool = True  # the device cache still equals the full cache (nothing compressed since the last prefill)
+    hold: bool = False  # set by the engine while unverified drafts sit in the cache (lossless): no round may run
 
     def __post_init__(self) -> None:
         self.reset()
@@ -89,6 +91,8 @@ class CompressionState:
 
     def reset(self) -> None:
         self.compressed_tokens = self.compressed_kv_len = self.last_round_at = self.start
+        self.exact = True
+        self.hold = False
 
     def on_preempt(self) -> None:
         """The KV cache is gone (recompute preemption). A sequence that was ever compressed is compressed again right
@@ -101,3 +105,4 @@ class CompressionState:
         self.compressed_tokens += region
         self.compressed_kv_len += kept
         self.ever_compressed = True
+        self.exact = False

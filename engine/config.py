@@ -72,6 +72,7 @@ class EngineConfig:
     watermark: float = 0.01
     enable_prefix_caching: bool = True
     seed: int = 0
+    quantization: str | None = None  # "int8": weight-only int8 linear layers (CPU)
     # memory pressure (engine/scheduler.py)
     scheduling_policy: str = "fcfs"
     admission_optimism: float = 1.0
@@ -79,6 +80,7 @@ class EngineConfig:
     preemption_mode: str = "auto"
     compress_before_preempt: bool = True
     swap_space: int | str = "1GiB"  # host memory for swapped-out KV blocks (0: recompute only)
+    lossless_host_memory: int | str = "1GiB"  # host memory for lossless sequences' full KV (the same store)
     # tensor parallelism (engine/distributed/): ranks 1..N-1 run in spawned worker processes
     tensor_parallel_size: int = 1
 
@@ -95,8 +97,11 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
-        if self.swap_space not in (0, "0"):
-            parse_memory(self.swap_space)  # a clear error now
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        for name in ("swap_space", "lossless_host_memory"):
+            if getattr(self, name) not in (0, "0"):
+                parse_memory(getattr(self, name))  # a clear error now
 
     def resolve_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -131,14 +136,13 @@ class EngineConfig:
         return n
 
     def host_blocks(self, model_config, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
-        """Swap-space blocks of this rank's KV heads: `swap_space` is host memory for the whole engine, split evenly
-        over the tensor-parallel ranks (they share one host)."""
-        if self.swap_space in (0, "0"):
-            return 0
+        """Blocks of the host store: swap space plus the lossless full tier (one pool, one tensor), of this rank's KV
+        heads. Both are host memory for the whole engine, split evenly over the tensor-parallel ranks."""
+        nbytes = sum(parse_memory(v) for v in (self.swap_space, self.lossless_host_memory) if v not in (0, "0"))
         c = model_config
         heads = c.num_kv_heads if num_kv_heads is None else num_kv_heads
-        return num_blocks_for_memory(parse_memory(self.swap_space) // self.tensor_parallel_size, c.num_layers,
-                                     self.block_size, heads, c.head_dim, dtype)
+        return num_blocks_for_memory(nbytes // self.tensor_parallel_size, c.num_layers, self.block_size, heads,
+                                     c.head_dim, dtype)
 
     def fit_max_model_len(self, max_model_len: int, num_blocks: int) -> int:
         """One request must always fit the pool, or it would preempt itself forever."""

@@ -20,7 +20,8 @@ from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
-from engine.sampler import apply_min_tokens, sample, token_logprobs
+from engine.lossless import LosslessState, accept
+from engine.sampler import apply_min_tokens, draw, sample, sampling_probs, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import ScoringState, Sequence
@@ -49,6 +50,9 @@ class EngineCore:
         if config.tensor_parallel_size > 1:
             from engine.distributed.driver import DriverKVCacheManager, TPDriver
 
+            if config.quantization is not None:
+                raise ValueError(f"quantization={config.quantization!r} does not shard: use it with "
+                                 f"tensor_parallel_size 1")
             self.driver = TPDriver(config.tensor_parallel_size, self.device)
             self.device = self.driver.device
             self.model, self.model_config, self.tokenizer, num_blocks, host_blocks = self.driver.start(config,
@@ -56,6 +60,12 @@ class EngineCore:
             kv_manager = DriverKVCacheManager
         else:
             self.model, self.model_config, self.tokenizer = load_model(config.model, self.dtype, self.device)
+            if config.quantization == "int8":
+                if self.device.type != "cpu":
+                    raise ValueError("quantization='int8' is for the CPU path (its kernel is AVX2 C++)")
+                from engine.models.quant import quantize_int8
+
+                quantize_int8(self.model)
             num_blocks = config.resolve_num_blocks(self.model_config, self.dtype, self.device)
             host_blocks = config.host_blocks(self.model_config, self.dtype)
             kv_manager = KVCacheManager
@@ -140,7 +150,18 @@ class EngineCore:
             seq = Sequence(request_id, ids, params, index=i, generator=gen, scoring=scoring)
             seq.compression = self.compression.new_state(params.kv_compression, len(ids),
                                                          score[0] if score is not None else None)
+            if seq.compression is not None and seq.compression.config.lossless and score is None:
+                c = seq.compression.config
+                seq.lossless = LosslessState(c.horizon_min, c.horizon_min, c.horizon_max)
             seqs.append(seq)
+        if seqs[0].lossless is not None:
+            final = len(ids) + (params.max_tokens or self.max_model_len - len(ids))
+            host = self.kv.host_pool.num_blocks if self.kv.host_pool is not None else 0
+            if -(-final // self.kv.block_size) * params.n > host:
+                raise InvalidRequestError(
+                    f"kv_compression.lossless keeps the full KV in host memory: {params.n} x {final} tokens do not fit "
+                    f"the host store ({host} blocks); raise lossless_host_memory or lower max_tokens",
+                    "kv_compression.lossless")
         return Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, seqs,
                        time.monotonic())
 
@@ -190,6 +211,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns the outputs of requests that finished in it."""
         t0 = time.perf_counter()
+        self._start_drafts()
         out = self.scheduler.schedule()
         t_sched = time.perf_counter() - t0
         self.counters.num_preemptions += len(out.preempted)
@@ -201,21 +223,31 @@ class EngineCore:
                                                                                        + out.swapped_in)
         touched: dict[str, Request] = {}
         if out:
-            t1 = time.perf_counter()
-            result = self.runner.execute(out.scheduled)
-            if out.num_tokens >= 64:  # prefill-heavy steps say what recomputing a token costs
-                costs.seconds_per_token = 0.7 * costs.seconds_per_token + 0.3 * (time.perf_counter() - t1) / out.num_tokens
-            self.scheduler.commit(out.scheduled)
-            for seq, first, q in result.captured:
-                seq.compression.queries.store(first, q)
             for item in out.scheduled:
                 touched[item.seq.request_id] = self.requests[item.seq.request_id]
-                if item.seq.num_computed_tokens <= item.seq.num_prompt_tokens:
-                    self.counters.prompt_tokens_total += item.num_tokens
-            for seq, logps in result.scored:
-                seq.scoring.prompt_logprobs.extend(logps)
-            if result.sample_seqs:
-                self._sample_and_append(result.sample_seqs, result.logits)
+            normal = [x for x in out.scheduled if not x.verify]
+            if normal:
+                t1 = time.perf_counter()
+                result = self.runner.execute(normal)
+                tokens = sum(x.num_tokens for x in normal)
+                if tokens >= 64:  # prefill-heavy steps say what recomputing a token costs
+                    costs.seconds_per_token = (0.7 * costs.seconds_per_token
+                                               + 0.3 * (time.perf_counter() - t1) / tokens)
+                self.scheduler.commit(normal)
+                for seq, first, q in result.captured:
+                    seq.compression.queries.store(first, q)
+                for item in normal:
+                    if item.seq.num_computed_tokens <= item.seq.num_prompt_tokens:
+                        self.counters.prompt_tokens_total += item.num_tokens
+                    if item.seq.lossless is not None and item.seq.compression.exact:
+                        self._copy_to_full_tier(item.seq)
+                for seq, logps in result.scored:
+                    seq.scoring.prompt_logprobs.extend(logps)
+                if result.sample_seqs:
+                    self._sample_and_append(result.sample_seqs, result.logits)
+            verifying = [x.seq for x in out.scheduled if x.verify]
+            if verifying:
+                self._verify(verifying)
             self.counters.num_steps += 1
             self.compression.after_step(self.scheduler.running, self.kv, self.runner.recompute_queries)
         finished = []
@@ -225,40 +257,158 @@ class EngineCore:
         self.counters.engine_seconds += time.perf_counter() - t0
         return finished
 
+    def _banned(self, seq: Sequence, num_committed: int) -> list[int]:
+        """Stop ids and EOS are masked while fewer than min_tokens tokens are committed."""
+        p = seq.params
+        if num_committed >= p.min_tokens:
+            return []
+        return p.stop_token_ids + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        banned = []
-        for seq in seqs:
-            p = seq.params
-            stops = p.stop_token_ids + ([] if p.ignore_eos else sorted(self.eos_token_ids))
-            banned.append(stops if seq.num_outputs < p.min_tokens else [])
-        apply_min_tokens(logits, banned)
+        drafting = [i for i, s in enumerate(seqs) if s.lossless is not None and s.lossless.draft_kv_start >= 0]
+        if drafting:
+            self._draft([seqs[i] for i in drafting], logits[drafting])
+            keep = [i for i in range(len(seqs)) if i not in set(drafting)]
+            if not keep:
+                return
+            seqs, logits = [seqs[i] for i in keep], logits[keep]
+        apply_min_tokens(logits, [self._banned(seq, seq.num_outputs) for seq in seqs])
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.default_generator)
         top_n = max((s.params.logprobs or 0) for s in seqs)
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
         if want_logprobs:
             chosen, top_vals, top_ids = token_logprobs(logits, tokens, top_n)
             chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
-        now = time.monotonic()
         for row, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
-            req = self.requests.get(seq.request_id)
-            if req is None or req.error is not None:
+            entry = None
+            if want_logprobs and seq.params.logprobs is not None:
+                entry = (chosen[row], top_ids[row][:seq.params.logprobs], top_vals[row][:seq.params.logprobs])
+            self._append_output(seq, token, entry)
+
+    def _append_output(self, seq: Sequence, token: int, logprob: tuple | None) -> bool:
+        """Commit one generated token: outputs, logprobs, detokenization, stop checks. A failure here ends this
+        request alone. Returns whether the sequence finished."""
+        req = self.requests.get(seq.request_id)
+        if req is None or req.error is not None or seq.is_finished:
+            return True
+        try:
+            seq.output_token_ids.append(token)
+            self.counters.generation_tokens_total += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
+            if logprob is not None:
+                chosen, ids, vals = logprob
+                entry = {token: chosen}
+                for tid, val in zip(ids, vals):
+                    entry.setdefault(tid, val)
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += chosen
+            if self.output.append_token(seq, token):
+                self.scheduler.finish(seq)
+                return True
+        except Exception as err:  # this request's outputs are broken; the others go on
+            logger.exception("request %s failed while processing its output", seq.request_id)
+            self.fail(req, err)
+            return True
+        return False
+
+    # -- lossless mode (engine/lossless.py) -----------------------------------------------------------------
+    def _start_drafts(self) -> None:
+        """A lossless sequence whose device cache was compressed drafts its next tokens from it."""
+        for seq in self.scheduler.running:
+            ls = seq.lossless
+            if ls is None or ls.draft_kv_start >= 0 or seq.compression.exact or seq.num_pending_tokens != 1:
                 continue
-            try:
-                seq.output_token_ids.append(token)
-                self.counters.generation_tokens_total += 1
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                if want_logprobs and seq.params.logprobs is not None:
-                    entry = {token: chosen[row]}
-                    for tid, val in zip(top_ids[row][:seq.params.logprobs], top_vals[row][:seq.params.logprobs]):
-                        entry.setdefault(tid, val)
-                    seq.logprobs.append(entry)
-                    seq.cumulative_logprob += chosen[row]
-                if self.output.append_token(seq, token):
-                    self.scheduler.finish(seq)
-            except Exception as err:  # this request's outputs are broken; the others go on
-                logger.exception("request %s failed while processing its output", seq.request_id)
-                self.fail(req, err)
+            p = seq.params
+            remaining = (p.max_tokens if p.max_tokens is not None else self.max_model_len) - seq.num_outputs
+            room = self.max_model_len - seq.num_tokens
+            ls.target = max(0, min(ls.horizon, remaining - 1, room - 1))
+            ls.draft_kv_start = seq.kv_len
+            seq.compression.hold = True
+
+    def _draft(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        for row, seq in enumerate(seqs):
+            p, ls = seq.params, seq.lossless
+            banned = self._banned(seq, seq.num_outputs + len(seq.draft_token_ids))
+            if banned:
+                logits[row, banned] = float("-inf")
+            q = sampling_probs(logits[row:row + 1], [p])[0]
+            token = int(q.argmax()) if p.greedy else draw(q, seq.generator or self.default_generator)
+            seq.draft_token_ids.append(token)
+            if not p.greedy:
+                ls.draft_probs.append(q)
+            ls.drafted += 1
+            self.counters.lossless_drafted += 1
+
+    def _copy_to_full_tier(self, seq: Sequence) -> None:
+        """Exact mode: the device cache is the full cache; mirror its new slots into the full tier."""
+        if not self.kv.full_append_from_device(seq, seq.full_len, seq.kv_len - seq.full_len):
+            req = self.requests.get(seq.request_id)
+            if req is not None:
+                self.fail(req, RuntimeError("the lossless full-KV host store is full; raise lossless_host_memory"))
+
+    def _verify(self, seqs: list[Sequence]) -> None:
+        """One forward of [last committed token, drafts...] of every due sequence over its full tier, then the
+        acceptance rule, the rollback of rejected drafts and the verified K/V into the device cache."""
+        t0 = time.perf_counter()
+        tables = [s.full_block_table for s in seqs]
+        write_back = None
+        if self.device.type == "cpu":
+            layers = self.kv.full_tier_layers()
+        else:
+            layers, tables, write_back = self.kv.stage_full(tables)
+        batch = [(s, [s.output_token_ids[-1]] + list(s.draft_token_ids), s.full_len) for s in seqs]
+        capture = any(s.compression.caches_queries for s in seqs)
+        logits, queries = self.runner.verify(batch, layers, tables, capture)
+        if write_back is not None:
+            write_back()
+        k0 = 0
+        for seq, tokens, start in batch:
+            rows = logits[k0:k0 + len(tokens)]
+            q = queries[:, k0:k0 + len(tokens)] if queries is not None else None
+            k0 += len(tokens)
+            self._accept(seq, tokens[1:], start, rows, q)
+        self.counters.lossless_verifications += len(seqs)
+        self.counters.lossless_verify_seconds += time.perf_counter() - t0
+
+    def _accept(self, seq: Sequence, drafts: list[int], start: int, rows: torch.Tensor,
+                queries: torch.Tensor | None) -> None:
+        p, ls, st = seq.params, seq.lossless, seq.compression
+        for j in range(rows.shape[0]):
+            banned = self._banned(seq, seq.num_outputs + j)
+            if banned:
+                rows[j, banned] = float("-inf")
+        target = sampling_probs(rows, [p] * rows.shape[0])
+        committed = accept(drafts, target, None if p.greedy else ls.draft_probs,
+                           seq.generator or self.default_generator)
+        k = len(committed) - 1  # accepted drafts
+        self.counters.lossless_accepted += k
+        ls.accepted += k
+        ls.verifications += 1
+        ls.adapt(len(drafts), k)
+        kv_start = ls.draft_kv_start
+        ls.reset()
+        seq.draft_token_ids.clear()
+        st.hold = False
+        # the full tier keeps the last committed token and the accepted drafts, computed over the full cache
+        self.kv.full_truncate(seq, start + 1 + k)
+        if queries is not None and st.caches_queries:
+            st.queries.store(start, queries[:, :1 + k])
+        fits = self.kv.resize(seq, kv_start + 1 + k)
+        if fits:
+            self.kv.device_from_full(seq, start, kv_start, 1 + k)
+            seq.num_computed_tokens = start + 1 + k
+        logp = rows.log_softmax(-1) if p.logprobs is not None else None
+        for j, token in enumerate(committed):
+            entry = None
+            if logp is not None:
+                top = logp[j].topk(p.logprobs) if p.logprobs else None
+                entry = (float(logp[j, token]), top.indices.tolist() if top is not None else [],
+                         top.values.tolist() if top is not None else [])
+            if self._append_output(seq, token, entry):
+                return
+        if not fits:  # the pool has no room for the verified slots: rebuild this sequence from its tokens
+            self.scheduler.preempt(seq, swap=False)
 
     def _emit(self, req: Request) -> bool:
         """Send the request's delta to its consumer; on finish, store the final output and forget it. A consumer
@@ -293,6 +443,7 @@ class EngineCore:
         s.query_cache_bytes = sum(q.compression.queries.nbytes for q in self.scheduler.running
                                   if q.compression is not None and q.compression.queries is not None)
         s.recomputed_tokens = self.scheduler.recomputed_tokens
+        s.full_tier_bytes = self.kv.full_tier_bytes
         s.prefix_cache_queries, s.prefix_cache_hits = self.kv.prefix_queries, self.kv.prefix_hits
         return s
 
@@ -325,6 +476,11 @@ class EngineCore:
         lines.append(f"Prefix caching: {'on' if self.kv.enable_prefix_caching else 'off'}")
         c, sc = self.config, self.scheduler.config
         host = self.kv.host_pool.num_blocks if self.kv.host_pool is not None else 0
+        if self.kv.host_pool is not None:
+            nbytes = self.kv.host_pool.num_blocks * self.kv.host[:, 0].numel() * self.kv.host.element_size()
+            lines.append(f"Host KV store (swap space + lossless full tier): {self.kv.host_pool.num_blocks} blocks x "
+                         f"{self.kv.block_size} tokens = {self.kv.host_pool.num_blocks * self.kv.block_size} tokens "
+                         f"({nbytes / 2**20:.1f} MiB, allocated as used)")
         lines.append(f"Scheduler: {sc.scheduling_policy} admission"
                      + (f" (optimism {sc.admission_optimism}, projected output "
                         f"{sc.projected_output_len or 'max_tokens'})" if sc.scheduling_policy != "fcfs" else "")

@@ -113,7 +113,7 @@ class ModelRunner:
                 plan.sample_rows.append(len(plan.input_ids) - 1)
                 ctx.sample_seqs.append(seq)
             st = seq.compression
-            if st is not None and st.caches_queries:  # tokens compression may later score keep their queries
+            if st is not None and st.caches_queries and not st.hold:  # (drafts' queries: from their verification)
                 first = max(start, st.start)
                 if first < start + n:
                     plan.capture_rows.extend(range(row0 + first - start, row0 + n))
@@ -156,6 +156,26 @@ class ModelRunner:
                 result.scored.append((seq, logp[k:k + count]))
                 k += count
         return result
+
+    @torch.inference_mode()
+    def verify(self, items: list[tuple[Sequence, list[int], int]], kv_layers: list[torch.Tensor],
+               tables: list[list[int]], capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Lossless verification: each item's tokens at logical positions [start, start + n) run over its full tier
+        (`kv_layers` with `tables`; `start` slots already there) and their K/V are written after them. Returns the
+        float32 logits of every token [sum n, V] and, with `capture`, their queries [L, sum n, Hq, D]."""
+        input_ids, positions = [], []
+        for _, tokens, start in items:
+            input_ids.extend(tokens)
+            positions.extend(range(start, start + len(tokens)))
+        meta = build_metadata(tables, [len(t) for _, t, _ in items], [s + len(t) for _, t, s in items],
+                              self.kv_cache.block_size, self.device)
+        self._plan(meta)
+        if capture:
+            meta.capture = QueryCapture(torch.arange(len(input_ids), device=self.device), self.config.num_layers)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, kv_layers, self.attn, meta)
+        return self.model.compute_logits(hidden), (meta.capture.out if capture else None)
 
     @torch.inference_mode()
     def recompute_queries(self, spans: list[tuple[Sequence, int, int]]) -> torch.Tensor:

@@ -64,6 +64,16 @@ class EngineStats:
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
     recomputed_tokens: int = 0  # computed tokens thrown away by recompute preemptions
+    lossless_drafted: int = 0  # tokens drafted from compressed caches
+    lossless_accepted: int = 0  # drafts the full cache agreed with
+    lossless_verifications: int = 0
+    lossless_verify_seconds: float = 0.0
+    full_tier_bytes: int = 0  # host memory holding lossless sequences' full KV (and swapped blocks) now
+
+    @property
+    def lossless_mean_accepted(self) -> float | None:
+        """Drafts accepted per verification step."""
+        return self.lossless_accepted / self.lossless_verifications if self.lossless_verifications else None
 
     @property
     def compression_retention(self) -> float | None:

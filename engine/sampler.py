@@ -50,3 +50,31 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> tu
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top_vals, top_ids = logp.topk(top_n, dim=-1) if top_n > 0 else (logp[:, :0], tokens[:, None][:, :0])
     return chosen, top_vals, top_ids
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from, [B, V] float32: one-hot on the argmax for greedy rows, otherwise the
+    temperature-scaled softmax restricted to top-k and top-p (the same rule as `sample`). Lossless mode's
+    speculative-sampling acceptance compares these for the draft (compressed cache) and the target (full cache)."""
+    out = torch.zeros_like(logits, dtype=torch.float32)
+    vocab = logits.shape[-1]
+    for row, p in enumerate(params):
+        if p.greedy:
+            out[row, logits[row].argmax()] = 1.0
+            continue
+        x = logits[row].float() / p.temperature
+        sorted_x, order = x.sort(descending=True)
+        k = min(p.top_k or vocab, vocab)
+        sorted_x[k:] = float("-inf")
+        probs = sorted_x.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        probs = probs.masked_fill(mass_before >= p.top_p, 0.0)
+        out[row, order] = probs / probs.sum()
+    return out
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a [V] distribution by inverse CDF with one uniform from `generator`."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    return int(torch.searchsorted(cdf, u.reshape(1)).clamp(max=probs.shape[-1] - 1))

@@ -75,6 +75,7 @@ class PreemptionCosts:
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # new tokens run this step, starting at seq.num_computed_tokens
+    verify: bool = False  # lossless: run [last committed token, drafts...] over the full tier instead
 
     @property
     def completes_prefill(self) -> bool:
@@ -144,6 +145,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._verifies(seq):  # lossless: the drafts are due; the full tier takes them, not the pool
+                n = len(seq.draft_token_ids) + 1
+                if not self.kv.full_reserve(seq, seq.full_len + n):
+                    self.preempt(seq, out, swap=False)  # host store full: start over from the prompt
+                    continue
+                out.scheduled.append(ScheduledSeq(seq, n, verify=True))
+                budget -= n
+                i += 1
+                continue
             n = self._chunk(seq, budget, seq.num_computed_tokens)
             while not self.kv.allocate_slots(seq, n):
                 victim = self._victim(i)
@@ -216,9 +226,14 @@ class Scheduler:
             return self.running[-1]
         return min(reversed(self.running[i:]), key=self._eviction_cost)  # ties: the newest
 
+    @staticmethod
+    def _verifies(seq: Sequence) -> bool:
+        ls = seq.lossless
+        return ls is not None and ls.draft_kv_start >= 0 and len(seq.draft_token_ids) >= ls.target
+
     def _swaps(self, seq: Sequence) -> bool:
         mode = self.config.preemption_mode
-        if mode == "recompute" or not self.kv.can_swap_out(seq):
+        if mode == "recompute" or seq.lossless is not None or not self.kv.can_swap_out(seq):
             return False
         return mode == "swap" or self.costs.swap(seq) < self.costs.recompute(seq)
 
@@ -240,6 +255,9 @@ class Scheduler:
             seq.num_computed_tokens = 0
             if seq.compression is not None:
                 seq.compression.on_preempt()
+            if seq.lossless is not None:  # unverified drafts are dropped; the committed tokens stay
+                seq.draft_token_ids.clear()
+                seq.lossless.reset()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -270,13 +288,19 @@ class Scheduler:
         return -(-peak // self.kv.block_size)
 
     def _admissible(self, seq: Sequence) -> bool:
+        if seq.lossless is not None and self.kv.host_pool is not None and self.running:
+            final = seq.num_prompt_tokens + (seq.params.max_tokens or self.config.max_model_len)
+            if -(-final // self.kv.block_size) > self.kv.host_pool.num_free:
+                return False  # its full tier would not fit the host store now
         if self.config.scheduling_policy == "fcfs" or not self.running:
             return True
         total = sum(self.projected_blocks(s) for s in self.running) + self.projected_blocks(seq)
         return total <= self.kv.pool.num_blocks * self.config.admission_optimism
 
     def commit(self, scheduled: list[ScheduledSeq]) -> None:
-        """Record that the scheduled tokens' K/V are now in the cache."""
+        """Record that the scheduled tokens' K/V are now in the cache (verification items: see engine/core.py)."""
         for item in scheduled:
+            if item.verify:
+                continue
             item.seq.num_computed_tokens += item.num_tokens
             self.kv.commit(item.seq, item.num_tokens)

@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from compression.state import CompressionState
+    from engine.lossless import LosslessState
 
 _seq_ids = itertools.count()
 
@@ -54,6 +55,9 @@ class Sequence:
     index: int = 0  # position among the request's n completions
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     output_token_ids: list[int] = field(default_factory=list)
+    # Lossless mode: tokens drafted from the compressed cache, not yet verified against the full cache. They are
+    # fed to the model like outputs but never reach the output processor until verified.
+    draft_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     # Logical tokens already run through the model; the next token's RoPE position.
     num_computed_tokens: int = 0
@@ -62,6 +66,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     kv_len: int = 0
     host_block_table: list[int] = field(default_factory=list)  # swapped out: its KV in host memory
+    # Lossless mode: the full (never compressed) KV of the committed tokens, in logical order, in host memory.
+    full_block_table: list[int] = field(default_factory=list)
+    full_len: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request seed: sampling independent of the batch
@@ -72,12 +79,13 @@ class Sequence:
     first_token_time: float | None = None
     scoring: ScoringState | None = None
     compression: CompressionState | None = None
+    lossless: LosslessState | None = None
     detok: DetokState = field(default_factory=DetokState)
 
     @property
     def num_tokens(self) -> int:
-        """Logical length: prompt + generated."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Logical length: prompt + generated (+ drafts, in lossless mode)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.draft_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -88,17 +96,16 @@ class Sequence:
         return len(self.output_token_ids)
 
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return self.prompt_token_ids + self.output_token_ids + self.draft_token_ids
 
     def token_slice(self, start: int, n: int) -> list[int]:
         """Token ids of logical positions [start, start + n) without concatenating the whole sequence."""
         p = self.num_prompt_tokens
-        if start >= p:
+        if start >= p and not self.draft_token_ids:
             return self.output_token_ids[start - p:start - p + n]
-        head = self.prompt_token_ids[start:start + n]
-        if start + n > p:
-            head = head + self.output_token_ids[:start + n - p]
-        return head
+        if start + n <= p:
+            return self.prompt_token_ids[start:start + n]
+        return self.all_token_ids()[start:start + n]
 
     @property
     def is_finished(self) -> bool:

@@ -12,7 +12,7 @@ compression or the threshold policy is on) are ever cached or taken from the cac
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Sequence as Seq
+from typing import TYPE_CHECKING, Callable, Sequence as Seq
 
 import torch
 
@@ -130,13 +130,17 @@ class KVCacheManager:
         self._registered[seq.seq_id] = max(done, full)
 
     def free(self, seq: "Sequence", finished: bool = True) -> None:
-        """Return every block (cached ones stay reusable). ``finished=False`` (preemption) keeps the prompt's
-        block keys for its re-admission."""
+        """Return every block (cached ones stay reusable), the full tier's too. ``finished=False`` (preemption)
+        keeps the prompt's block keys for its re-admission."""
         self.pool.free(seq.block_table)
         seq.block_table = []
         if seq.host_block_table:
             self.host_pool.free(seq.host_block_table)
             seq.host_block_table = []
+        if seq.full_block_table:
+            self.host_pool.free(seq.full_block_table)
+            seq.full_block_table = []
+        seq.full_len = 0
         seq.kv_len = 0
         self._registered.pop(seq.seq_id, None)
         if finished:
@@ -173,6 +177,102 @@ class KVCacheManager:
         seq.block_table = dev
         self._registered[seq.seq_id] = len(dev)  # private copies: never offered to the prefix cache again
         return len(dev)
+
+    # -- lossless mode: the full-KV tier in host memory --------------------------------------------------
+    def truncate(self, seq: "Sequence", new_kv_len: int) -> None:
+        """Drop device slots past `new_kv_len` (rejected drafts) and the whole blocks after them."""
+        if not 0 <= new_kv_len <= seq.kv_len:
+            raise ValueError(f"cannot truncate kv_len {seq.kv_len} to {new_kv_len}")
+        freed = blocks_to_free(seq.block_table, new_kv_len, self.block_size)
+        if freed:
+            self.pool.free(freed)
+            del seq.block_table[len(seq.block_table) - len(freed):]
+        seq.kv_len = new_kv_len
+
+    def resize(self, seq: "Sequence", new_kv_len: int) -> bool:
+        """Set the device KV length, freeing or allocating blocks (new slots hold nothing until written); False
+        (nothing changed) if the pool is short."""
+        if new_kv_len <= seq.kv_len:
+            self.truncate(seq, new_kv_len)
+            return True
+        if not self.allocate_slots(seq, new_kv_len - seq.kv_len):
+            return False
+        seq.kv_len = new_kv_len
+        return True
+
+    def full_reserve(self, seq: "Sequence", length: int) -> bool:
+        """Host blocks for `length` full-tier slots; False (nothing changed) if the host store is short."""
+        need = -(-length // self.block_size) - len(seq.full_block_table)
+        if need <= 0:
+            return True
+        if self.host_pool is None or need > self.host_pool.num_free:
+            return False
+        seq.full_block_table.extend(self.host_pool.allocate(need))
+        return True
+
+    def full_truncate(self, seq: "Sequence", length: int) -> None:
+        seq.full_len = length
+        keep = -(-length // self.block_size)
+        if len(seq.full_block_table) > keep:
+            self.host_pool.free(seq.full_block_table[keep:])
+            del seq.full_block_table[keep:]
+
+    def _slots(self, table: list[int], start: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        p = torch.arange(start, start + n)
+        return (torch.tensor(table, dtype=torch.long)[p // self.block_size].to(device),
+                (p % self.block_size).to(device))
+
+    def full_append_from_device(self, seq: "Sequence", device_start: int, n: int) -> bool:
+        """Copy device slots [device_start, +n) (exact K/V: nothing compressed yet) to the end of the full tier."""
+        if n <= 0:
+            return True
+        if not self.full_reserve(seq, seq.full_len + n):
+            return False
+        db, do = self._slots(seq.block_table, device_start, n, self.kv_cache.data.device)
+        hb, ho = self._slots(seq.full_block_table, seq.full_len, n, "cpu")
+        self.host[:, hb, :, ho] = self.kv_cache.data[:, db, :, do].to("cpu")
+        seq.full_len += n
+        return True
+
+    def device_from_full(self, seq: "Sequence", full_start: int, device_start: int, n: int) -> None:
+        """Overwrite device slots [device_start, +n) with full-tier slots [full_start, +n) (verified K/V)."""
+        dev = self.kv_cache.data.device
+        hb, ho = self._slots(seq.full_block_table, full_start, n, "cpu")
+        db, do = self._slots(seq.block_table, device_start, n, dev)
+        self.kv_cache.data[:, db, :, do] = self.host[:, hb, :, ho].to(dev)
+
+    def full_tier_layers(self) -> list[torch.Tensor]:
+        """Per-layer views of the host store in the device cache's layout, for the verification forward. On CPU the
+        two tiers are two tensors and attention reads the host store in place; a GPU would stage the sequence's
+        full-tier blocks into device blocks first (`stage_full`)."""
+        if self.host is None:
+            raise ValueError("lossless mode needs a host store: set lossless_host_memory or swap_space")
+        if self.kv_cache.data.device.type != "cpu":
+            raise NotImplementedError("verification on CUDA stages the full tier: use stage_full")
+        return list(self.host.unbind(0))
+
+    def stage_full(self, tables: list[list[int]]) -> tuple[list[torch.Tensor], list[list[int]], Callable[[], None]]:
+        """Device copies of the given full-tier blocks (for a GPU's verification forward): per-layer views of a
+        staging tensor, the tables renumbered into it, and a function writing the staged blocks back to host."""
+        flat = [b for t in tables for b in t]
+        idx = torch.tensor(flat, dtype=torch.long)
+        staged = self.host[:, idx].to(self.kv_cache.data.device, non_blocking=True)
+        renum, k = [], 0
+        for t in tables:
+            renum.append(list(range(k, k + len(t))))
+            k += len(t)
+
+        def write_back() -> None:
+            self.host[:, idx] = staged.to("cpu")
+
+        return list(staged.unbind(0)), renum, write_back
+
+    @property
+    def full_tier_bytes(self) -> int:
+        if self.host_pool is None:
+            return 0
+        per_block = self.host[:, 0].numel() * self.host.element_size()
+        return per_block * self.host_pool.num_used
 
     # -- compression --------------------------------------------------------------------------------------
     def gather_keys(self, seq: "Sequence", start: int, length: int) -> torch.Tensor:
@@ -233,6 +333,10 @@ class KVCacheManager:
                 if self.pool.ref_counts[b] > 1 or self.pool.is_cached(b):
                     assert i < protected, f"{seq.request_id}: shared or cached block {b} past its protected prefix"
         host_refs = Counter(b for seq in waiting for b in seq.host_block_table)
+        host_refs.update(b for seq in (*running, *waiting) for b in seq.full_block_table)
+        for seq in (*running, *waiting):
+            assert len(seq.full_block_table) == -(-seq.full_len // self.block_size), (
+                f"{seq.request_id}: {len(seq.full_block_table)} full-tier blocks for {seq.full_len} slots")
         for seq in waiting:
             assert not seq.block_table, f"waiting {seq.request_id} holds KV blocks"
             if seq.host_block_table:

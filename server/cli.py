@@ -67,7 +67,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-cache-memory", default=None, help="size of the KV pool in bytes, e.g. 512MiB, 4GiB")
     g.add_argument("--max-num-seqs", type=_positive_int, default=None)
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
-    g.add_argument("--attention-backend", default=None, help="auto|torch|flashinfer")
+    g.add_argument("--attention-backend", default=None,
+                   help="auto|cpu|torch|flashinfer (auto: FlashInfer on CUDA, the C++ kernel on CPU, else torch)")
+    g.add_argument("--threads", type=_nonneg_int, default=None,
+                   help="CPU intra-op threads (default: every core, with a passive OpenMP wait policy)")
+    g.add_argument("--quantization", choices=["int8"], default=None,
+                   help="weight-only int8 linear layers on CPU (off by default: greedy output may differ)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=None,
                    help="ranks the model is split over (Megatron-style); ranks 1..N-1 run in spawned worker "
@@ -85,6 +90,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], default=None,
                    help="auto: swap to host memory when copying is cheaper than recomputing (default: auto)")
     m.add_argument("--swap-space", default=None, help="host memory for swapped KV blocks, e.g. 4GiB (default 1GiB)")
+    m.add_argument("--lossless-host-memory", default=None,
+                   help="host memory for the full KV of lossless requests (kv_compression lossless: true), e.g. "
+                        "8GiB (default 1GiB; shares one store with --swap-space)")
     m.add_argument("--compress-before-preempt", action=argparse.BooleanOptionalAction, default=None,
                    help="run a compression round on demand before preempting (default: on)")
     p.add_argument("--max-queued-requests", type=_nonneg_int, default=None,
@@ -148,7 +156,9 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     for name in ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
                  "max_num_seqs", "max_num_batched_tokens", "attention_backend", "seed", "enable_prefix_caching",
+                 "quantization",
                  "scheduling_policy", "admission_optimism", "projected_output_len", "preemption_mode", "swap_space",
+                 "lossless_host_memory",
                  "compress_before_preempt", "tensor_parallel_size"):
         v = getattr(args, name, None)
         if v is not None:
@@ -262,7 +272,25 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _early_threads(argv: list[str]) -> None:
+    """`kvllm serve` uses every core by default with a passive OpenMP wait policy, which only takes effect if set
+    before torch is imported (engine/threads.py): so --threads is read here, before the parser pulls torch in."""
+    if not argv or argv[0] != "serve":
+        return
+    n = None
+    for i, a in enumerate(argv):
+        value = a.split("=", 1)[1] if a.startswith("--threads=") else (argv[i + 1] if a == "--threads" and
+                                                                         i + 1 < len(argv) else None)
+        if value is not None and value.isdigit():
+            n = int(value)
+    from engine.threads import configure_threads
+
+    configure_threads(n or None)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _early_threads(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(args.handler(args) or 0)

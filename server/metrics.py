@@ -47,6 +47,7 @@ class EngineStatsCollector(Collector):
         ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage: fraction of KV blocks in use (0..1)."),
         ("num_kv_blocks", "num_blocks", "Total KV blocks in the pool."),
         ("num_free_kv_blocks", "num_free_blocks", "Free KV blocks in the pool."),
+        ("full_tier_bytes", "full_tier_bytes", "Host memory holding lossless full caches and swapped blocks."),
     )
     COUNTERS = (
         ("prompt_tokens", "prompt_tokens_total", "Prefill tokens processed."),
@@ -60,6 +61,10 @@ class EngineStatsCollector(Collector):
          "Compression rounds run on demand before a preemption."),
         ("swapped_out_blocks", "swapped_out_blocks", "KV blocks swapped out to host memory by preemptions."),
         ("recomputed_tokens", "recomputed_tokens", "Computed tokens thrown away by recompute preemptions."),
+        ("lossless_drafted_tokens", "lossless_drafted", "Lossless mode: tokens drafted from compressed caches."),
+        ("lossless_accepted_tokens", "lossless_accepted", "Lossless mode: drafts the full cache agreed with."),
+        ("lossless_verifications", "lossless_verifications", "Lossless mode: verification steps."),
+        ("lossless_verify_seconds", "lossless_verify_seconds", "Lossless mode: time spent verifying (seconds)."),
         ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of prompt tokens looked up."),
         ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of prompt tokens found cached."),
     )

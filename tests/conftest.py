@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Idle OpenMP threads sleep instead of spinning: only effective before torch is imported (engine/threads.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

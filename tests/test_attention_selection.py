@@ -21,8 +21,15 @@ from engine.attention.torch_paged import TorchPagedBackend
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 
 
-def test_auto_on_cpu_is_torch():
-    assert isinstance(get_backend("auto", "cpu"), TorchPagedBackend)
+def test_auto_on_cpu_is_the_cpu_kernel_else_torch():
+    from engine.attention import cpu_ext
+
+    if cpu_ext.is_available():  # the C++ kernel (tests/test_cpu_attention.py); torch only when it cannot be built
+        from engine.attention.cpu_paged import CpuPagedBackend
+
+        assert isinstance(get_backend("auto", "cpu"), CpuPagedBackend)
+    else:
+        assert isinstance(get_backend("auto", "cpu"), TorchPagedBackend)
     assert isinstance(get_backend("torch", "cpu"), TorchPagedBackend)
 
 

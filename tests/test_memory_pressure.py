@@ -12,6 +12,7 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 from paging.kv_cache import KVCache
 from paging.kv_cache_manager import KVCacheManager
+from test_scheduler import run_step as step
 
 BS = 4
 STREAM = {"method": "streaming", "window": 8, "buffer": 2, "ratio": 0.1, "chunk_budget": 0,
@@ -32,16 +33,6 @@ def seq(stage, prompt, rid, comp=STREAM, max_tokens=100):
     s = Sequence(rid, list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens))
     s.compression = stage.new_state(comp, len(prompt), None)
     return s
-
-
-def step(sched, token=9):
-    """Schedule, pretend the model ran, append a token to every sequence whose known tokens are all computed."""
-    out = sched.schedule()
-    done = [item.seq for item in out.scheduled if item.completes_prefill]
-    sched.commit(out.scheduled)
-    for s in done:
-        s.output_token_ids.append(token)
-    return out
 
 
 @pytest.mark.parametrize("reclaim", [True, False])

@@ -45,3 +45,21 @@ def test_kara_with_ratio_one_is_lossless_over_many_rounds(smollm2_engine):
     for a, b in zip(base, comp):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     eng.check_invariants()
+
+
+def test_lossless_kara_equals_uncompressed_output_over_1000_tokens(smollm2_engine):
+    """Lossless mode on real weights: 8 prompts, 1000 greedy tokens, Kara at r = 0.25 compressing every 112 steps;
+    drafts from the compressed cache are verified against the full tier, so the output is the uncompressed one."""
+    eng = smollm2_engine
+    prompts = [eng.encode_prompt(p) for p in PROMPTS + ["Once upon a time", "List three colours:", "import os\n",
+                                                       "The theory of relativity"]]
+    kara = {"method": "kara", "ratio": 0.25, "window": 128, "buffer": 16, "compression_period": 112,
+            "lossless": True}
+    params = dict(temperature=0, max_tokens=1000, ignore_eos=True)
+    ref = eng.generate(prompts, SamplingParams(kv_compression="none", **params), use_tqdm=False)
+    eng.reset_stats()
+    out = eng.generate(prompts, SamplingParams(kv_compression=kara, **params), use_tqdm=False)
+    st = eng.stats()
+    assert st.compression_rounds >= 8 and st.lossless_verifications > 0 and st.lossless_drafted > 0
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    eng.check_invariants()

@@ -1,0 +1,52 @@
+"""CPU paged-attention backend: one C++ call per layer reads K/V where they lie in the pages.
+
+The torch backend gathers every sequence's K/V rows into a padded buffer each layer (at 64 sequences x 512
+slots that is 50 MB copied per layer) and loops over prefill sequences in Python. This backend hands the
+step's CSR page table straight to the kernel in csrc/kvllm_cpu.cpp (built by engine/attention/cpu_ext.py),
+which walks each sequence's blocks in place with an online softmax, all sequences (decode and prefill, mixed)
+in one call, parallel over (sequence, KV head, query tile) on torch's intra-op threads.
+
+float32, bfloat16 and float16 run in the kernel (half types are upcast per chunk, math in float32); any other
+dtype or a non-CPU tensor goes to TorchPagedBackend.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionMetadata, write_kv
+from engine.attention.torch_paged import TorchPagedBackend
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CpuPagedBackend:
+    """AttentionBackend over NHD pages [num_blocks, 2, block_size, Hkv, D] on the CPU. Raises
+    cpu_ext.ExtensionUnavailable when the kernel cannot be built or loaded."""
+
+    def __init__(self, force_portable: bool = False) -> None:
+        from engine.attention import cpu_ext
+
+        self._ops = cpu_ext.load()
+        self._fallback = TorchPagedBackend()
+        self.force_portable = force_portable  # the non-AVX2 kernels, for tests on AVX2 machines
+
+    def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
+             dtype: torch.dtype) -> None:
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if dtype not in KERNEL_DTYPES or meta.qo_indptr.device.type != "cpu":
+            self._fallback.plan(meta, num_q_heads, num_kv_heads, head_dim, dtype)
+        # the kernel needs no plan: it reads the CSR tensors of `meta` on every call (O(batch) work)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if (q.dtype not in KERNEL_DTYPES or kv_cache.dtype not in KERNEL_DTYPES or q.device.type != "cpu"
+                or not kv_cache.is_contiguous()):
+            return self._fallback.forward(q, k, v, kv_cache, meta, scale)
+        if k is not None:
+            write_kv(kv_cache, k, v, meta.slot_mapping)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        self._ops.paged_attention(q, kv_cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                                  meta.kv_last_page_len, float(scale), out, self.force_portable)
+        return out
