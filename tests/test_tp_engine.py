@@ -58,7 +58,8 @@ def build(path: Path, tp: int, **kwargs):
     from engine.engine import Engine
 
     # no swap space unless asked: check_every_step walks every host block too (1 GiB is ~350k blocks here)
-    kwargs = {"dtype": "float32", "device": "cpu", "block_size": 4, "num_kv_blocks": 256, "swap_space": 0, **kwargs}
+    kwargs = {"dtype": "float32", "device": "cpu", "block_size": 4, "num_kv_blocks": 256, "swap_space": 0,
+              "lossless_host_memory": 0, **kwargs}
     return check_every_step(Engine(model=str(path), tensor_parallel_size=tp, **kwargs))
 
 
@@ -258,7 +259,7 @@ def test_kvllm_serve_tp2_openai_client_and_a_killed_worker(tiny_server_model_dir
         worker_pid = int(re.search(r"worker pids (\d+)", log_path.read_text()).group(1))
 
         messages = [{"role": "user", "content": "Name three colours."}]
-        ref_engine = build_engine(tiny_server_model_dir, swap_space=0)
+        ref_engine = build_engine(tiny_server_model_dir, swap_space=0, lossless_host_memory=0)
         try:
             want = ref_engine.chat(messages, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
             want_text = want[0].outputs[0].text
