@@ -206,12 +206,13 @@ def main() -> None:
             runs.append(offline(model, 1, cores, prompts, args.output_len, **kw))
         runs.append(offline(model, 2, max(1, cores // 2), prompts, args.output_len, **kw))
         body = offline_table(runs, runs[0])
-        body += (f"\n\nA random Llama of SmolLM2-135M's size (30 layers, hidden 576, 8 query / 4 KV heads of 72, fp32), "
-                 f"{args.num_prompts} requests x {args.input_len}-token real-text prompts, {args.output_len} new "
-                 f"tokens, greedy, all requests in one batch. 'ms per step' is the batch's wall time over its engine "
-                 f"steps (prefill and decode). {cores} CPU cores shared by all ranks, and with whatever else runs "
-                 f"on the host (its 1-minute load average at the end of each run is in the last column: above "
-                 f"{cores} the ranks wait for cores, and OpenMP threads that spin-wait for a busy core collapse).")
+        body += (f"\n\nA random Llama of SmolLM2-135M's size (30 layers, hidden 576, 8 query / 4 KV heads of 72, "
+                 f"fp32), {args.num_prompts} requests x {args.input_len}-token real-text prompts, "
+                 f"{args.output_len} new tokens, greedy, all requests in one batch. 'ms per step' is the batch's "
+                 f"wall time over its engine steps (prefill and decode). {cores} CPU cores shared by all ranks, and "
+                 f"with whatever else runs on the host (its 1-minute load average at the end of each run is in the "
+                 f"last column: above {cores} the ranks wait for cores, and OpenMP threads that spin-wait for a busy "
+                 f"core collapse).")
         if args.smollm2_tp3:
             smol = [offline("smollm2", 1, 1, prompts, args.output_len, **kw),
                     offline("smollm2", 3, 1, prompts, args.output_len, **kw)]

@@ -210,3 +210,15 @@ def tp_worker_processes() -> list:
     import multiprocessing as mp
 
     return [p for p in mp.active_children() if p.name.startswith("kvllm-tp-rank")]
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` for test subprocesses (servers, the router): the kernel kills the child with SIGKILL when the
+    test process dies, even by hard_timeout's exit, so no server outlives its test (Linux; a no-op elsewhere)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except OSError:
+        pass

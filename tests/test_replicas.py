@@ -19,7 +19,7 @@ import pytest
 
 from engine.distributed.parallel_state import free_port
 from engine.sampling_params import SamplingParams
-from helpers_models import hard_timeout
+from helpers_models import die_with_parent, hard_timeout
 from server_fixtures import build_engine, openai_client, tiny_server_model_dir  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,7 +82,7 @@ def cluster(tiny_server_model_dir, tmp_path_factory):
                 [sys.executable, "-m", "server.cli", "serve", str(tiny_server_model_dir), "--port", str(port),
                  "--dtype", "float32", "--device", "cpu", "--block-size", "16", "--num-kv-blocks", "256",
                  "--max-model-len", "256", "--disable-uvicorn-access-log"],
-                stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env))
+                stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env, preexec_fn=die_with_parent))
         for url in urls:
             _wait(url + "/health", procs, logs)
         router_port = free_port()
@@ -92,7 +92,7 @@ def cluster(tiny_server_model_dir, tmp_path_factory):
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(router_port),
              "--worker-urls", *urls, "--policy", "round_robin", "--worker-startup-check-interval", "1",
              "--log-level", "warn"],
-            stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env))
+            stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env, preexec_fn=die_with_parent))
         router = f"http://127.0.0.1:{router_port}"
         _wait(router + "/health", procs, logs, timeout=120)
         # the router is up before it has registered its workers: wait for one request to go through
@@ -152,7 +152,7 @@ def test_kvllm_bench_serve_through_the_router(cluster, tiny_server_model_dir, tm
                         "--input-len", "32", "--output-len", "16", "--ignore-eos", "--disable-tqdm",
                         "--save-result", str(out)],
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                       timeout=300)
+                       timeout=300, preexec_fn=die_with_parent)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     print(r.stdout[r.stdout.find("============ Serving"):])
     result = json.loads(out.read_text())

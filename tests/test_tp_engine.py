@@ -25,7 +25,7 @@ import torch
 from conftest import check_every_step
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
-from helpers_models import hard_timeout, make_tiny_hf_model, save_tiny_tokenizer, tp_worker_processes
+from helpers_models import die_with_parent, hard_timeout, make_tiny_hf_model, save_tiny_tokenizer, tp_worker_processes
 from server_fixtures import openai_client, tiny_server_model_dir  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -251,7 +251,8 @@ def test_kvllm_serve_tp2_openai_client_and_a_killed_worker(tiny_server_model_dir
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", str(tiny_server_model_dir), "--port",
                              str(port), "--tensor-parallel-size", "2", "--dtype", "float32", "--device", "cpu",
                              "--block-size", "16", "--num-kv-blocks", "256", "--max-model-len", "256",
-                             "--disable-uvicorn-access-log"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+                             "--disable-uvicorn-access-log"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                            preexec_fn=die_with_parent)
     worker_pid = None
     try:
         base = f"http://127.0.0.1:{port}"

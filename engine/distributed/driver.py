@@ -294,8 +294,9 @@ class TPDriver:
 
     def log_lines(self) -> list[str]:
         hq, Hq, hkv, Hkv = self._heads
-        return [f"Tensor parallel: {self.size} ranks ({self.backend}: {', '.join(map(str, dict.fromkeys(self.devices)))}"
-                f"), {hq}/{Hq} query heads and {hkv}/{Hkv} KV heads per rank"
+        devices = ", ".join(map(str, dict.fromkeys(self.devices)))
+        return [f"Tensor parallel: {self.size} ranks ({self.backend}: {devices}), {hq}/{Hq} query heads and "
+                f"{hkv}/{Hkv} KV heads per rank"
                 + (" (KV heads replicated)" if self.replicated else "")
                 + f", {self.threads} torch thread(s) per rank; worker pids "
                 + ", ".join(str(p.pid) for p in self.procs)]
