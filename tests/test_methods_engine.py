@@ -410,3 +410,44 @@ def test_rules_between_method_and_common_fields(setting, param):
     ok.pop(param)
     if param != "policy":
         coerce(ok)  # the same setting without the offending field is fine
+
+
+# ---------------------------------------------------------------------------------------------- thresholds
+def test_snapkv_threshold_form_is_the_threshold_baseline(make_engine):
+    # "threshold" stays the SnapKV threshold baseline; "snapkv" under the threshold policy selects the same slots
+    eng = make_engine()
+    prompts = [list(range(5, 15)), list(range(40, 52))]
+    common = dict(THRESHOLD)
+    common.pop("policy")
+    a = eng.generate(prompts, greedy(60, kv_compression={"method": "threshold", **common}), use_tqdm=False)
+    b = eng.generate(prompts, greedy(60, kv_compression={"method": "snapkv", "policy": "threshold", **common}),
+                     use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    by = eng.stats().compression_by_method
+    assert by["threshold"]["rounds"] == by["snapkv"]["rounds"] >= 3
+    assert by["threshold"]["tokens_evicted"] == by["snapkv"]["tokens_evicted"]
+    # and the outputs differ from no compression at all (the comparison can fail)
+    c = eng.generate(prompts, greedy(60), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in c] != [o.outputs[0].token_ids for o in a]
+
+
+def test_rkv_with_its_own_schedule(make_engine, monkeypatch):
+    """R-KV's schedule as a setting: compress to N once N + 128 slots are reached, observing the last 8 tokens."""
+    from compression.rkv import RKVCompressor, rkv_threshold_select
+
+    seen = []
+    real = RKVCompressor.select_prefix
+    monkeypatch.setattr(RKVCompressor, "select_prefix",
+                        lambda self, q, k, b: seen.append((q, k, b, real(self, q, k, b))) or seen[-1][3])
+    cfg = {"method": "rkv", "policy": "threshold", "threshold_target": 24, "threshold_max": 24 + 128,
+           "observation_window": 8}
+    eng = make_engine(kv_compression=cfg)
+    req = eng.new_request(list(range(5, 15)), greedy(180), "r")
+    eng.add_request(req)
+    lengths = []
+    run_until_done(eng, req, lambda: lengths.append(req.seqs[0].kv_len) if not req.seqs[0].is_finished else None)
+    # between steps the cache holds at most 151 slots: the step that writes slot 152 compresses it to 24
+    assert max(lengths) == 151 and [(a, b) for a, b in zip(lengths, lengths[1:]) if b < a] == [(151, 24)]
+    q, k, budget, kept = seen[0]
+    assert q.shape[2] == 8 and k.shape[2] == 152 and budget == 16
+    assert torch.equal(kept, rkv_threshold_select(q, k, 16, lam=0.1, kernel=7, sim_threshold=0.5))
