@@ -35,7 +35,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from compression.base import PrefixBatch, Selection, WindowBatch, as_selection
+from compression.base import PrefixBatch, WindowBatch, as_selection
 from compression.config import KVCompressionConfig, coerce
 from compression.state import CompressionState, EntropyStore
 

@@ -310,7 +310,7 @@ def test_centroids_are_written_into_the_kept_slots_window_by_window(make_engine,
     eng.step()
     seq = req.seqs[0]
     batch, sel = seen[0]
-    L, hkv, W, D = batch.keys.shape[0] // 3, batch.keys.shape[1], batch.keys.shape[2], batch.keys.shape[3]
+    L, hkv = batch.keys.shape[0] // 3, batch.keys.shape[1]
     K = 3
     assert batch.num_windows == 3 and seq.kv_len == 40 - 36 + 3 * K
     got_k = eng.core.kv.gather_keys(seq, 0, seq.kv_len)
