@@ -1,29 +1,44 @@
-"""Compression quality: teacher-forced NLL on SmolLM2 through the engine's own (compressed) KV cache.
+"""Compression quality: teacher-forced NLL on SmolLM2 through the engine's own (compressed) KV cache, for every
+registered window method at several budgets.
 
 Every trial is one sequence: a short context (never compressed) and a continuation of real text fed through the
 normal scheduler 16 tokens per step (`Engine.score`'s path), so the periodic policy compresses the continuation's
 windows exactly as it would while decoding. The continuation is
 
-    lead-in (real text) | passage | filler (>= 2.8k tokens of real text) | the same passage again
+    lead-in (real text) | passage | filler (real text) | the same passage again
 
-The passage is a distinctive piece of prose (a Python standard-library module docstring) planted early, so its KV
-sits in the first compressed window; the repetition at the end can only be predicted well if the compressed cache
-kept enough of it (long-range recall). The filler is license text from /usr/share/common-licenses, taken at a
-different offset in every trial.
+The passage is a distinctive piece of prose (a Python standard-library module docstring) planted in the first
+compressed window, at an offset spread over that window's compressible region from trial to trial (scores have a
+position bias inside the window); the repetition at the end can only be predicted well if the compressed cache kept
+enough of it (long-range recall). The filler is license text from /usr/share/common-licenses, taken at a different
+offset in every trial.
 
-Reported per method, averaged over the trials: mean NLL per token of the text (every continuation token except
+Equal KV length: every method keeps the same number of slots of every compressed window. Kara and the methods that
+share its α parameter (its ablations, random, streaming) keep ⌈r·n⌉ + α; the others (which keep ⌈r·n⌉) run at the
+ratio r' = (⌈r·n⌉ + α) / n, which keeps exactly as many. The table's r is the nominal budget.
+
+InfoKV scores tokens by the entropy of the distribution they were sampled from, recorded by the engine when it
+samples. Teacher-forced scoring samples nothing, so this script supplies those entropies: the top-k entropy of the
+full-cache model's distribution at each continuation token (one extra forward per trial, `token_entropies`), put
+into each InfoKV sequence's store before its first step. In serving, tokens after the first compression would be
+sampled from the compressed cache's distribution instead.
+
+Reported per (method, r), averaged over the trials: mean NLL per token of the text (every continuation token except
 the repeated passage), the same over the tokens scored after the first compression round only, the NLL of the
-repeated passage (recall), and the final KV length. All window methods keep exactly ceil(r*n) + alpha slots of
-every compressed window, so they end at the same KV length. All sequences of a run are scored in one batch, in
-lockstep, so every method sees the same compression rounds.
+repeated passage (recall), the share of the passage's slots the method keeps (a re-run of each trial's first
+window, selection only) and the compression time per compressed token (the engine's per-method statistics: the
+method's own selection time plus its share of each round's common work). A PNG plots recall NLL against the kept
+fraction, one line per method.
 
 `--diagnose` runs only a cheap selection diagnostic (each trial's first window; which share of the passage's slots
-every method keeps, and Kara's keep rate by position in the window) and writes it to its own section.
+every method keeps, and each method's keep rate by position in the window) and writes it to its own section.
 
-    .venv/bin/python -m bench.compression_quality [--ratio 0.3 ...] [--trials 3] [--max-tokens N] [--no-write]
+    .venv/bin/python -m bench.compression_quality [--ratio 0.2 0.3 0.5] [--trials 8] [--max-tokens N] [--no-write]
     .venv/bin/python -m bench.compression_quality --diagnose --trials 10 --ratio 0.2 0.3 0.5
 
-The defaults take ~14 min on a busy 2-core AVX2 CPU (1 thread); `--trials 1 --max-tokens 1200` takes ~2 min.
+The defaults (every method, r in {0.2, 0.3, 0.5}, 8 trials, 1184-token continuations: 344 sequences of 1216
+tokens) take about an hour on one thread of a shared 2-core AVX2 CPU, almost all of it in the forward passes
+(compression is ~2-10% of the time); `--trials 2 --ratio 0.3` takes ~7 min.
 """
 from __future__ import annotations
 
@@ -34,14 +49,18 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from bench.common import real_text, write_section  # noqa: E402
+from bench.common import DOCS, real_text, write_section  # noqa: E402
 from compression import KVCompressionConfig  # noqa: E402
+from compression.base import WindowBatch, as_selection  # noqa: E402
+from compression.config import num_topk  # noqa: E402
 
-METHODS = ("none", "kara", "kara_no_chunk", "kara_buffer_queries", "random", "streaming")
+METHODS = ("none", "kara", "kara_no_chunk", "kara_buffer_queries", "random", "streaming", "snapkv", "tova", "h2o",
+           "keydiff", "knorm", "rkv", "ams", "infokv", "centroid")
 LABELS = {
     "none": "full cache (none)",
     "kara": "Kara",
@@ -49,12 +68,22 @@ LABELS = {
     "kara_buffer_queries": "Kara w/o Bi-Attention (buffer queries)",
     "random": "random in window",
     "streaming": "StreamingLLM (recency)",
+    "snapkv": "SnapKV (window)",
+    "tova": "TOVA",
+    "h2o": "H2O (window queries)",
+    "keydiff": "KeyDiff",
+    "knorm": "K-norm",
+    "rkv": "R-KV",
+    "ams": "AMS (base Kara)",
+    "infokv": "InfoKV-style (Kara + entropy)",
+    "centroid": "CentroidKV (merging)",
 }
 #: Standard-library modules whose docstrings serve as planted passages (distinctive prose, not license text).
 PASSAGE_MODULES = ("sched", "colorsys", "difflib", "tabnanny", "wave", "heapq", "statistics", "pydoc", "argparse",
                    "pickletools", "imaplib", "ftplib")
 #: The paper's defaults (|W| = 512, |U| = 64, gamma = 8, alpha = 16); period = |W| - |U|.
 DEFAULT_WINDOW = dict(window=512, buffer=64, chunk_max=8, chunk_budget=16, compression_period=448)
+PLOT = DOCS.parent / "compression_quality.png"
 
 
 @dataclass
@@ -77,6 +106,26 @@ class MethodResult:
     tokens_evicted: float = 0.0
     late_from: int = 0  # first continuation index scored after the first compression round
     trials: list[Trial] = field(default_factory=list)
+    kept_per_window: int = 0  # region slots kept of every compressed window (n for "none")
+    region_len: int = 0  # n
+    compression_seconds: float = 0.0  # this run's share of the engine's compression time (all its trials)
+    compressed_tokens: int = 0  # region tokens this run scored (all its trials)
+
+    @property
+    def kept_fraction(self) -> float:
+        return self.kept_per_window / self.region_len if self.region_len else 1.0
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1e3 * self.compression_seconds / self.compressed_tokens if self.compressed_tokens else float("nan")
+
+    def text_per_trial(self) -> list[float]:
+        """NLL after the first round per trial (the text tokens every method scores under compression)."""
+        out = []
+        for lp, t in zip(self.logprobs, self.trials):
+            idx = [i for i in range(self.late_from, len(lp)) if not t.recall[0] <= i < t.recall[1]]
+            out.append(sum(-lp[i] for i in idx) / len(idx) if idx else float("nan"))
+        return out
 
     def _mean(self, spans: Sequence[Sequence[int]]) -> float:
         vals = [-lp[i] for lp, idx in zip(self.logprobs, spans) for i in idx]
@@ -175,22 +224,56 @@ def synthetic_trials(num_trials: int, *, vocab: int, filler_len: int, lead_len: 
 
 
 # ----------------------------------------------------------------------------------------------- scoring
-def score_many(engine, items: list[tuple[list[int], list[int], Any]], chunk_size: int = 16) -> list[list[float]]:
+@torch.inference_mode()
+def token_entropies(engine, ids: list[int], k: int, chunk: int = 512) -> torch.Tensor:
+    """float32 [len(ids)]: entry t is the top-k renormalised entropy (compression/infokv.py `topk_entropy`) of the
+    model's distribution for token t given tokens [0, t) (NaN for t = 0): what the engine records when it samples
+    token t. One dense forward of the engine's model over a private paged cache (full cache, no compression)."""
+    from engine.attention.base import build_metadata
+    from compression.infokv import topk_entropy
+    from paging.kv_cache import KVCache
+
+    core = engine.core
+    c = core.model_config
+    bs = 16
+    cache = KVCache(c.num_layers, -(-len(ids) // bs), bs, c.num_kv_heads, c.head_dim, core.dtype, core.device)
+    table = list(range(cache.num_blocks))
+    out = torch.full((len(ids),), float("nan"))
+    for s in range(0, len(ids), chunk):
+        n = min(chunk, len(ids) - s)
+        meta = build_metadata([table], [n], [s + n], bs, core.device)
+        core.attn.plan(meta, c.num_q_heads, c.num_kv_heads, c.head_dim, core.dtype)
+        hidden = core.model(torch.tensor(ids[s:s + n], device=core.device),
+                            torch.arange(s, s + n, device=core.device), cache.layers, core.attn, meta)
+        ent = topk_entropy(core.model.compute_logits(hidden), k).cpu()
+        out[s + 1:s + n + 1] = ent[:len(ids) - s - 1]
+    return out
+
+
+def score_many(engine, items: list[tuple[list[int], list[int], Any]], chunk_size: int = 16,
+               entropies: Sequence[torch.Tensor | None] | None = None) -> list[list[float]]:
     """`Engine.score` for several (context, continuation, kv_compression) at once: every request is submitted
-    before the first step, so all are scored in the same batches, in lockstep (same compression rounds)."""
+    before the first step, so all are scored in the same batches, in lockstep. ``entropies[k]`` (per item, over
+    context + continuation, see `token_entropies`) go into the item's compression state when its method records
+    entropy (the continuation's tokens, as if they had been sampled)."""
+    from engine.sampling_params import SamplingParams
+
     by_cfg: dict[Any, list[int]] = {}
     for k, (_, _, kvc) in enumerate(items):
         by_cfg.setdefault(kvc, []).append(k)
     reqs = []
     for kvc, idx in by_cfg.items():  # Engine.score takes one kv_compression per call: submit without waiting
-        from engine.sampling_params import SamplingParams
-
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, kv_compression=kvc)
         for k in idx:
             ctx, cont, _ = items[k]
             if not ctx or not cont:
                 raise ValueError("score: context and continuation must be non-empty")
             req = engine.core.make_request(list(ctx) + list(cont), params, f"q{k}", score=(len(ctx), chunk_size))
+            st = req.seqs[0].compression
+            if st is not None and st.entropy is not None:
+                if entropies is None or entropies[k] is None:
+                    raise ValueError(f"{kvc.method} needs token entropies")
+                st.entropy.put(len(ctx), entropies[k][len(ctx):])
             engine.add_request(req)
             reqs.append((k, req))
     while engine.has_unfinished_requests():
@@ -203,71 +286,120 @@ def score_many(engine, items: list[tuple[list[int], list[int], Any]], chunk_size
     return out
 
 
+def equal_kv_ratio(ratio: float, n: int, alpha: int) -> float:
+    """The ratio r' at which a method keeping ⌈r'·n⌉ keeps as many slots as Kara's ⌈r·n⌉ + α."""
+    return min(1.0, (num_topk(ratio, n) + alpha) / n)
+
+
 def method_config(method: str, ratio: float, window: dict) -> KVCompressionConfig:
-    """The method at this ratio with the window settings it takes (Kara's γ/α only where the method has them)."""
+    """The method at nominal budget r with the window settings it takes, keeping ⌈r·n⌉ + α slots per window:
+    methods with Kara's α (``chunk_budget``) at r, the others at `equal_kv_ratio`."""
     if method == "none":
         return KVCompressionConfig("none")
     from compression import COMMON_FIELDS, registry
 
-    allowed = set(COMMON_FIELDS) | set(registry.get(method).param_names())
-    return KVCompressionConfig(method, ratio=ratio, **{k: v for k, v in window.items() if k in allowed})
+    names = set(registry.get(method).param_names())
+    n, alpha = window["window"] - window["buffer"], window.get("chunk_budget", 0)
+    values = {k: v for k, v in window.items() if k in set(COMMON_FIELDS) | names}
+    want = min(n, num_topk(ratio, n) + alpha)
+    cfg = KVCompressionConfig(method, ratio=ratio if "chunk_budget" in names else equal_kv_ratio(ratio, n, alpha),
+                              **values)
+    assert cfg.kept_per_window == want, (method, cfg.kept_per_window, want)
+    return cfg
+
+
+def _needs_entropy(cfgs) -> int | None:
+    """The entropy top-k the configs' methods record (None if none records any)."""
+    ks = {cfg.make_compressor().entropy_top_k for cfg in cfgs
+          if cfg.enabled and cfg.make_compressor().needs_entropy}
+    if len(ks) > 1:
+        raise ValueError(f"one entropy_top_k per run, got {sorted(ks)}")
+    return ks.pop() if ks else None
 
 
 def evaluate(engine, trials: list[Trial], methods: Sequence[str] = METHODS, ratios: Sequence[float] = (0.3,),
-             window: dict | None = None, chunk_size: int = 16) -> list[MethodResult]:
-    """Score every trial under every (method, ratio) in one batch; "none" is run once. Returns one MethodResult per
-    (method, ratio) with per-sequence KV accounting derived from the engine's compression stats."""
+             window: dict | None = None, chunk_size: int = 16, batch_seqs: int | None = None,
+             progress=None) -> list[MethodResult]:
+    """Score every trial under every (method, ratio); "none" is run once. Runs go to the engine in batches (one
+    ratio at a time, at most ``batch_seqs`` sequences each; results do not depend on the batching, since each
+    sequence's compression trigger depends only on itself). Returns one MethodResult per (method, ratio) with
+    per-sequence KV accounting and compression time from the engine's per-method statistics."""
     window = dict(DEFAULT_WINDOW if window is None else window)
     lengths = {len(t.context) + len(t.continuation) for t in trials}
-    lens_cont = {len(t.continuation) for t in trials}
-    if len(lens_cont) != 1:
-        raise ValueError("all trials must have the same continuation length (lockstep accounting)")
-    runs: list[tuple[str, float | None, KVCompressionConfig]] = []
-    for m in methods:
-        if m == "none":
-            runs.append((m, None, method_config(m, 1.0, window)))
-        else:
-            runs.extend((m, r, method_config(m, r, window)) for r in ratios)
-    before = engine.stats()
-    items = [(t.context, t.continuation, cfg) for _, _, cfg in runs for t in trials]
-    logprobs = score_many(engine, items, chunk_size)
-    after = engine.stats()
-    engine.check_invariants()
-
-    # Per-sequence accounting: all window sequences run in lockstep with the same n, so they compress the same
-    # number of windows; each keeps its config's kept_per_window of every window.
-    seen = after.compression_tokens_seen - before.compression_tokens_seen
-    evicted = after.compression_tokens_evicted - before.compression_tokens_evicted
-    window_runs = [cfg for _, _, cfg in runs if cfg.enabled]
+    if len({len(t.continuation) for t in trials}) != 1:
+        raise ValueError("all trials must have the same continuation length (equal accounting)")
     n = window["window"] - window["buffer"]
-    num_seqs = len(window_runs) * len(trials)
-    windows_per_seq = seen / (n * num_seqs) if num_seqs else 0
-    if num_seqs:
-        assert windows_per_seq == int(windows_per_seq), f"sequences compressed unequal window counts ({seen})"
-        expected = sum(int(windows_per_seq) * (n - cfg.kept_per_window) for cfg in window_runs) * len(trials)
-        assert evicted == expected, f"evicted {evicted} != expected {expected}"
-    windows_per_seq = int(windows_per_seq)
+    runs: list[tuple[str, float | None, KVCompressionConfig]] = []
+    if "none" in methods:
+        runs.append(("none", None, method_config("none", 1.0, window)))
+    for r in ratios:
+        runs.extend((m, r, method_config(m, r, window)) for m in methods if m != "none")
+    k_ent = _needs_entropy([cfg for _, _, cfg in runs])
+    ents = ([token_entropies(engine, t.context + t.continuation, k_ent) for t in trials] if k_ent is not None
+            else [None] * len(trials))
+    # batches: one ratio each (a method appears once per batch, so its statistics diff belongs to one run)
+    per_batch = max(1, (batch_seqs or 10 ** 9) // len(trials))
+    batches: list[list[int]] = []
+    for r in [None, *ratios]:
+        idx = [i for i, run in enumerate(runs) if run[1] == r]
+        batches += [idx[i:i + per_batch] for i in range(0, len(idx), per_batch)]
+    logprobs: list[list[list[float]]] = [[] for _ in runs]
+    usage: list[dict[str, float]] = [{} for _ in runs]
+    for b in batches:
+        if not b:
+            continue
+        t0 = time.perf_counter()
+        before = engine.stats().compression_by_method
+        items = [(t.context, t.continuation, runs[i][2]) for i in b for t in trials]
+        lps = score_many(engine, items, chunk_size, [e for _ in b for e in ents])
+        after = engine.stats().compression_by_method
+        engine.check_invariants()
+        for j, i in enumerate(b):
+            logprobs[i] = lps[j * len(trials):(j + 1) * len(trials)]
+            m = runs[i][0]
+            usage[i] = {key: after.get(m, {}).get(key, 0) - before.get(m, {}).get(key, 0)
+                        for key in ("tokens_seen", "tokens_evicted", "tokens_merged", "seconds")}
+        if progress is not None:
+            progress(f"batch of {len(items)} sequences ({', '.join(runs[i][0] for i in b)} at r="
+                     f"{runs[b[0]][1]}) scored in {time.perf_counter() - t0:.0f} s")
+
+    # Per-sequence accounting: every sequence has the same continuation and n, so it compresses the same number of
+    # windows; each keeps its config's kept_per_window of every window.
+    compressed = [i for i, (_, _, cfg) in enumerate(runs) if cfg.enabled]
+    windows_per_seq = 0
+    if compressed:
+        seen = {usage[i]["tokens_seen"] for i in compressed}
+        assert len(seen) == 1, f"runs compressed unequal token counts: {seen}"
+        windows_per_seq = seen.pop() / (n * len(trials))
+        assert windows_per_seq == int(windows_per_seq), f"partial windows ({windows_per_seq})"
+        windows_per_seq = int(windows_per_seq)
+        for i in compressed:
+            cfg = runs[i][2]
+            expected = windows_per_seq * (n - cfg.kept_per_window) * len(trials)
+            assert usage[i]["tokens_evicted"] == expected, (runs[i][0], usage[i], expected)
 
     # The first round that compresses anything runs once a sequence's uncompressed tail holds |W| tokens and the
     # decode counter reaches a round; tokens before the first window is compressed are scored identically by all.
-    late_from = _first_compressed_step(len(trials[0].continuation), window, chunk_size) if num_seqs else 0
+    late_from = _first_compressed_step(len(trials[0].continuation), window, chunk_size) if compressed else 0
 
     # Sanity check: before the first compression every method's cache equals the full one.
-    none_lps = [logprobs[k * len(trials):(k + 1) * len(trials)] for k, (m, _, _) in enumerate(runs) if m == "none"]
+    none_lps = [logprobs[i] for i, (m, _, _) in enumerate(runs) if m == "none"]
     if none_lps:
-        for k in range(len(runs)):
-            for a, b in zip(logprobs[k * len(trials):(k + 1) * len(trials)], none_lps[0]):
+        for i in range(len(runs)):
+            for a, b in zip(logprobs[i], none_lps[0]):
                 diff = max((abs(x - y) for x, y in zip(a[:late_from], b[:late_from])), default=0.0)
-                assert diff < 1e-3, f"{runs[k][0]} differs from the full cache by {diff} before any compression"
+                assert diff < 1e-3, f"{runs[i][0]} differs from the full cache by {diff} before any compression"
 
     results = []
-    logical = lengths.pop() if len(lengths) == 1 else max(lengths)
-    for k, (m, r, cfg) in enumerate(runs):
-        lps = logprobs[k * len(trials):(k + 1) * len(trials)]
-        ev = windows_per_seq * (n - cfg.kept_per_window) if cfg.enabled else 0
-        results.append(MethodResult(m, r, lps, kv_len=logical - ev, logical_len=logical,
+    logical = max(lengths)
+    for i, (m, r, cfg) in enumerate(runs):
+        kept = cfg.kept_per_window if cfg.enabled else n
+        ev = windows_per_seq * (n - kept) if cfg.enabled else 0
+        results.append(MethodResult(m, r, logprobs[i], kv_len=logical - ev, logical_len=logical,
                                     tokens_seen=windows_per_seq * n if cfg.enabled else 0, tokens_evicted=ev,
-                                    late_from=late_from, trials=trials))
+                                    late_from=late_from, trials=trials, kept_per_window=kept, region_len=n,
+                                    compression_seconds=usage[i].get("seconds", 0.0),
+                                    compressed_tokens=int(usage[i].get("tokens_seen", 0))))
     return results
 
 
@@ -288,13 +420,16 @@ def _first_compressed_step(cont_len: int, window: dict, chunk_size: int) -> int:
 def first_window_selections(engine, trials: list[Trial], methods: Sequence[str], ratios: Sequence[float],
                             window: dict | None = None) -> dict[tuple[str, float], list[torch.Tensor]]:
     """Kept region indices [L, Hkv, K] of each trial's first window, per (window method, ratio). The planted passage
-    lies in the continuation's first window [0, |W|); the window's queries and keys do not depend on anything after
-    it, so running each trial's context + first window and selecting on it reproduces the selection the periodic
-    policy makes in its first effective round (for "random": one draw of the same law)."""
+    lies in the continuation's first window [0, |W|); the window's queries, keys, values and entropies do not depend
+    on anything after it, so running each trial's context + first window and selecting on it reproduces the
+    selection the periodic policy makes in its first effective round (for "random": one draw of the same law; for
+    the merging method: the slots its centroids are written to)."""
     from engine.sampling_params import SamplingParams
 
     window = dict(DEFAULT_WINDOW if window is None else window)
     w, n = window["window"], window["window"] - window["buffer"]
+    cfgs = {(m, r): method_config(m, r, window) for m in methods if m != "none" for r in ratios}
+    k_ent = _needs_entropy(cfgs.values())
     out: dict[tuple[str, float], list[torch.Tensor]] = {}
     for t in trials:
         if not t.passage[1] <= n:
@@ -309,13 +444,18 @@ def first_window_selections(engine, trials: list[Trial], methods: Sequence[str],
         assert seq.num_computed_tokens == seq.kv_len == len(ids), "diagnostic sequence was compressed or preempted"
         q = engine.core.runner.recompute_queries([(seq, len(t.context), w)]).transpose(1, 2)  # [L, Hq, W, D]
         k = engine.core.kv.gather_keys(seq, len(t.context), w)  # [L, Hkv, W, D]
+        v = engine.core.kv.gather_values(seq, len(t.context), w)
         engine.abort(req.request_id)
         engine.step()
-        for m in methods:
-            if m == "none":
-                continue
-            for r in ratios:
-                out.setdefault((m, r), []).append(method_config(m, r, window).make_compressor().select(q, k, n).cpu())
+        L = k.shape[0]
+        ent = None
+        if k_ent is not None:
+            ent = token_entropies(engine, ids, k_ent)[len(t.context):].expand(L, w).to(k.device)
+        for (m, r), cfg in cfgs.items():
+            comp = cfg.make_compressor()
+            batch = WindowBatch(k, q if comp.needs_queries else None, n, L, [torch.Generator().manual_seed(cfg.seed)],
+                                values=v if comp.needs_values else None, entropy=ent if comp.needs_entropy else None)
+            out.setdefault((m, r), []).append(as_selection(comp.select_windows(batch)).kept.cpu())
     engine.check_invariants()
     return out
 
@@ -354,7 +494,7 @@ def diagnose(engine, trials: list[Trial], methods: Sequence[str], ratios: Sequen
     for (m, r), v in sels.items():
         stats = [_passage_stats(sel, t.passage) for sel, t in zip(v, trials)]
         shares = [a for a, _ in stats]
-        lines.append(f"| {LABELS[m]} | {r:g} | {v[0].shape[-1]}/{n} ({v[0].shape[-1] / n:.1%}) "
+        lines.append(f"| {LABELS.get(m, m)} | {r:g} | {v[0].shape[-1]}/{n} ({v[0].shape[-1] / n:.1%}) "
                      f"| {sum(shares) / len(shares):.1%} | {min(shares):.1%}..{max(shares):.1%} "
                      f"| {sum(b for _, b in stats) / len(stats):.1%} |")
     # where Kara's kept slots lie in the window: keep rate per band of region positions, passage band marked
@@ -369,34 +509,40 @@ def diagnose(engine, trials: list[Trial], methods: Sequence[str], ratios: Sequen
         for sel in v:
             counts += torch.bincount(sel.flatten(), minlength=n).float()
         rate = counts / (len(v) * v[0].shape[0] * v[0].shape[1])
-        lines.append(f"| {LABELS[m]} | {r:g} | " + " | ".join(f"{rate[a:b].mean().item():.1%}" for a, b in bands)
+        lines.append(f"| {LABELS.get(m, m)} | {r:g} | " + " | ".join(f"{rate[a:b].mean().item():.1%}" for a, b in bands)
                      + " |")
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------- output
+def _label(res: MethodResult) -> str:
+    return LABELS.get(res.method, res.method)
+
+
 def tables(results: list[MethodResult], trials: list[Trial], kept: dict | None = None) -> str:
     none = next((r for r in results if r.method == "none"), None)
     kept = kept or {}
-    head = ("| method | r | final KV slots / tokens | text NLL | Δ vs full | NLL after 1st round | Δ vs full "
-            "| recall NLL | Δ vs full | passage slots kept |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    d = (lambda a, b: f"{a - b:+.4f}") if none is not None else (lambda a, b: "-")
+    head = ("| method | r | kept / window | final KV slots / tokens | text NLL | Δ vs full | NLL after 1st round "
+            "| Δ vs full | recall NLL | Δ vs full | passage slots kept | compression ms / token |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for res in results:
-        d = (lambda a, b: f"{a - b:+.4f}") if none is not None else (lambda a, b: "-")
         ratio = "-" if res.ratio is None else f"{res.ratio:g}"
+        passage = ("100%" if res.method == "none" else
+                   format(kept[(res.method, res.ratio)], ".1%") if (res.method, res.ratio) in kept else "-")
+        ms = "-" if res.method == "none" else f"{res.ms_per_token:.2f}"
         lines.append(
-            f"| {LABELS.get(res.method, res.method)} | {ratio} | {res.kv_len:.0f} / {res.logical_len} "
-            f"({res.kv_len / res.logical_len:.1%}) | {res.text_nll:.4f} | {d(res.text_nll, none.text_nll)} "
-            f"| {res.late_nll:.4f} | {d(res.late_nll, none.late_nll)} | {res.recall_nll:.3f} "
-            f"| {d(res.recall_nll, none.recall_nll)} "
-            f"| {'100%' if res.method == 'none' else format(kept[(res.method, res.ratio)], '.1%') if (res.method, res.ratio) in kept else '-'} |")
+            f"| {_label(res)} | {ratio} | {res.kept_per_window}/{res.region_len} | {res.kv_len:.0f} / "
+            f"{res.logical_len} ({res.kv_len / res.logical_len:.1%}) | {res.text_nll:.4f} "
+            f"| {d(res.text_nll, none.text_nll) if none else '-'} | {res.late_nll:.4f} "
+            f"| {d(res.late_nll, none.late_nll) if none else '-'} | {res.recall_nll:.3f} "
+            f"| {d(res.recall_nll, none.recall_nll) if none else '-'} | {passage} | {ms} |")
     lines += ["", "Recall NLL per trial (passage):", "",
               "| method | r | " + " | ".join(t.name.split(" @")[0] or f"trial {i}" for i, t in enumerate(trials))
               + " |", "|---|---:|" + "---:|" * len(trials)]
     for res in results:
         ratio = "-" if res.ratio is None else f"{res.ratio:g}"
-        lines.append(f"| {LABELS.get(res.method, res.method)} | {ratio} | "
-                     + " | ".join(f"{v:.3f}" for v in res.recall_per_trial()) + " |")
+        lines.append(f"| {_label(res)} | {ratio} | " + " | ".join(f"{v:.3f}" for v in res.recall_per_trial()) + " |")
     if none is not None:
         lines.append("| first occurrence (no recall possible) | - | "
                      + " | ".join(f"{sum(-lp[i] for i in range(*t.passage)) / (t.passage[1] - t.passage[0]):.3f}"
@@ -404,47 +550,99 @@ def tables(results: list[MethodResult], trials: list[Trial], kept: dict | None =
     return "\n".join(lines)
 
 
-def verdict(results: list[MethodResult]) -> list[str]:
+def _wins(group: list[MethodResult], per_trial) -> dict[str, int]:
+    """Trials in which each method has the lowest value of `per_trial` among `group` (ties: each tied one wins)."""
+    vals = [per_trial(r) for r in group]
+    wins = {r.method: 0 for r in group}
+    for t in range(len(vals[0])):
+        best = min(v[t] for v in vals)
+        for r, v in zip(group, vals):
+            wins[r.method] += v[t] == best
+    return wins
+
+
+def reading(results: list[MethodResult]) -> list[str]:
+    """Per budget: the best method by mean recall NLL and by mean NLL after the first round, each with the number of
+    trials in which it is the best of all methods at that budget, and the runner-up."""
     out = []
     for r in sorted({x.ratio for x in results if x.ratio is not None}):
-        by = {x.method: x for x in results if x.ratio == r}
-        if "kara" not in by:
+        group = [x for x in results if x.ratio == r]
+        if len(group) < 2:
             continue
-        k = by["kara"]
-        for other in ("random", "kara_buffer_queries", "streaming", "kara_no_chunk"):
-            if other in by:
-                o = by[other]
-                wins = sum(a < b for a, b in zip(k.recall_per_trial(), o.recall_per_trial()))
-                out.append(f"r={r:g}: Kara recall NLL {k.recall_nll:.3f} vs {LABELS[other]} {o.recall_nll:.3f} "
-                           f"({'lower' if k.recall_nll < o.recall_nll else 'NOT lower'}; lower in {wins}/"
-                           f"{len(k.trials)} trials); text NLL {k.text_nll:.4f} vs {o.text_nll:.4f}")
+        n_trials = len(group[0].trials)
+        kept = f"{group[0].kept_per_window}/{group[0].region_len}"
+        for what, mean, per_trial in (("recall NLL", lambda x: x.recall_nll, MethodResult.recall_per_trial),
+                                      ("NLL after the 1st round", lambda x: x.late_nll, MethodResult.text_per_trial)):
+            ranked = sorted(group, key=mean)
+            wins = _wins(group, per_trial)
+            best, second = ranked[0], ranked[1]
+            most = max(wins.values())
+            out.append(f"r={r:g} ({kept} slots per window): best {what} {_label(best)} {mean(best):.4f} (best in "
+                       f"{wins[best.method]}/{n_trials} trials), then {_label(second)} {mean(second):.4f} "
+                       f"({wins[second.method]}/{n_trials}); most trials won: "
+                       + ", ".join(f"{LABELS.get(m, m)} {w}" for m, w in wins.items() if w == most and w > 0))
     return out
+
+
+def plot(results: list[MethodResult], path: Path) -> None:
+    """Recall NLL against the kept fraction of each window, one line per method; the full cache and the
+    no-recall level (the passage's first occurrence) as horizontal references."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    methods = [m for m in dict.fromkeys(r.method for r in results) if m != "none"]
+    styles = ["-o", "-s", "-^", "-v", "-D", "-P", "-X", "-*", "-<", "->", "-h", "-p", "-d", "-8"]
+    for i, m in enumerate(methods):
+        pts = sorted((r.kept_fraction, r.recall_nll) for r in results if r.method == m)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[i % len(styles)], label=LABELS.get(m, m),
+                linewidth=2.2 if m == "kara" else 1.2, markersize=5)
+    none = next((r for r in results if r.method == "none"), None)
+    if none is not None:
+        ax.axhline(none.recall_nll, color="k", linestyle="--", linewidth=1, label="full cache")
+        ax.axhline(none.first_copy_nll, color="gray", linestyle=":", linewidth=1, label="no recall (1st occurrence)")
+    ax.set_xlabel("kept fraction of each compressed window ((⌈r·n⌉ + α) / n)")
+    ax.set_ylabel("recall NLL of the repeated passage (nats/token, lower is better)")
+    ax.set_title("Long-range recall vs KV budget, SmolLM2-135M, equal KV length per budget")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ratio", type=float, nargs="+", default=[0.3], help="retention ratio(s) r (default 0.3)")
-    ap.add_argument("--trials", type=int, default=3, help="passage/filler pairs (default 3)")
-    ap.add_argument("--max-tokens", type=int, default=None,
-                    help="cap the continuation length (shrinks the filler; default: 2880-token filler, 3136 total)")
+    ap.add_argument("--ratio", type=float, nargs="+", default=[0.2, 0.3, 0.5],
+                    help="nominal retention ratios r (default 0.2 0.3 0.5)")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), help="methods (default: all, and none)")
+    ap.add_argument("--trials", type=int, default=8, help="passage/filler pairs (default 8)")
+    ap.add_argument("--max-tokens", type=int, default=1184,
+                    help="continuation length (default 1184: the passage's window and one more are compressed, "
+                         "the repeated passage is in the uncompressed tail)")
     ap.add_argument("--passage-len", type=int, default=80)
     ap.add_argument("--lead", default="spread",
                     help="lead-in tokens before the passage: an int for every trial, or 'spread' (default): trial k's "
                          "passage at evenly spread offsets of its window's compressible region")
+    ap.add_argument("--batch-seqs", type=int, default=56,
+                    help="at most this many sequences in the engine at once (bounds memory: ~8 GB at 56 with the "
+                         "default sizes, KV pool plus each sequence's query cache; default 56)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a shared 2-core machine 2 OpenMP threads are far slower)")
     ap.add_argument("--diagnose", action="store_true",
                     help="only the cheap selection diagnostic (first window of each trial; no NLL runs)")
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md and the plot")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from engine import Engine
 
     t_start = time.perf_counter()
-    ctx_len, body_len = 32, 96 + 2880  # continuation = lead-in + filler (body_len tokens) + the passage twice
-    if args.max_tokens is not None:
-        body_len = args.max_tokens - 2 * args.passage_len
+    methods = list(dict.fromkeys(args.methods))
+    ctx_len = 32
+    body_len = args.max_tokens - 2 * args.passage_len  # lead-in + filler
     region = DEFAULT_WINDOW["window"] - DEFAULT_WINDOW["buffer"]
     leads = (spread_leads(args.trials, region, args.passage_len) if args.lead == "spread"
              else [int(args.lead)] * args.trials)
@@ -452,7 +650,8 @@ def main() -> None:
     if filler < 1:
         raise SystemExit(f"--max-tokens must exceed {max(leads) + 2 * args.passage_len}")
     cont_len = body_len + 2 * args.passage_len
-    seqs = args.trials * (1 + (len(METHODS) - 1) * len(args.ratio))
+    runs = 1 + (len([m for m in methods if m != "none"])) * len(args.ratio)
+    seqs = min(args.batch_seqs, args.trials * runs)
     blocks = seqs * math.ceil((ctx_len + cont_len + 16) / 16) + 16
     if args.diagnose:  # one sequence of context + first window at a time
         seqs, blocks = 1, math.ceil((ctx_len + DEFAULT_WINDOW["window"] + 16) / 16) + 16
@@ -464,50 +663,68 @@ def main() -> None:
                  f"lead-in of {', '.join(map(str, leads))} tokens (the passage at evenly spread offsets of the "
                  f"first window's {region}-slot compressible region)")
     t0 = time.perf_counter()
+    w = DEFAULT_WINDOW
     if args.diagnose:
-        body = diagnose(engine, trials, METHODS, args.ratio, DEFAULT_WINDOW)
+        body = diagnose(engine, trials, methods, args.ratio, DEFAULT_WINDOW)
         body += (f"\n\n{args.trials} trials (passages: {', '.join(t.name for t in trials)}); the selection each method "
-                 f"makes on the window holding the planted passage (|W|={DEFAULT_WINDOW['window']}, "
-                 f"|U|={DEFAULT_WINDOW['buffer']}, γ={DEFAULT_WINDOW['chunk_max']}, α={DEFAULT_WINDOW['chunk_budget']}), "
+                 f"makes on the window holding the planted passage (|W|={w['window']}, |U|={w['buffer']}, "
+                 f"γ={w['chunk_max']}, α={w['chunk_budget']}; methods without α at the ratio keeping as many slots), "
                  f"computed from the engine's recomputed queries and cached keys. {time.perf_counter() - t0:.0f} s.")
         print(body)
         if not args.no_write:
             cmd = "python -m bench.compression_quality " + " ".join(sys.argv[1:])
             write_section("Compression quality: which slots each method keeps (SmolLM2)", cmd.strip(), body)
         return
-    results = evaluate(engine, trials, METHODS, args.ratio, DEFAULT_WINDOW)
+    say = lambda msg: print(f"[{time.perf_counter() - t_start:6.0f} s] {msg}", file=sys.stderr, flush=True)  # noqa
+    results = evaluate(engine, trials, methods, args.ratio, DEFAULT_WINDOW, batch_seqs=args.batch_seqs,
+                       progress=say)
     elapsed = time.perf_counter() - t0
     st = engine.stats()
-    kept = passage_kept_fraction(engine, trials, METHODS, args.ratio, DEFAULT_WINDOW)
+    say("scoring done; passage diagnostic")
+    kept = passage_kept_fraction(engine, trials, methods, args.ratio, DEFAULT_WINDOW)
     body = tables(results, trials, kept)
-    w = DEFAULT_WINDOW
+    total = time.perf_counter() - t_start
     notes = [
+        "",
+        f"![recall NLL vs kept fraction]({PLOT.name})",
         "",
         f"SmolLM2-135M-Instruct (GGUF dequantized, float32, CPU, {args.threads} thread). {args.trials} trials, each "
         f"one sequence: {ctx_len}-token context (never compressed) + {cont_len}-token continuation = {lead_text}, "
         f"{args.passage_len}-token passage (a stdlib module docstring), license text (lead-in + filler = {body_len} "
-        f"tokens from /usr/share/common-licenses, a different offset per trial), the passage again. Teacher-forced through the "
-        f"engine's own paged cache, 16 tokens per step, compression by the periodic policy as while decoding: "
-        f"|W|={w['window']}, |U|={w['buffer']}, γ={w['chunk_max']}, α={w['chunk_budget']}, compression_period="
-        f"{w['compression_period']} decode steps; every window method keeps ⌈r·448⌉+16 slots of each compressed "
-        f"window (same KV length for all of them). All {seqs} sequences are scored in one batch, in lockstep.",
+        f"tokens from /usr/share/common-licenses, a different offset per trial), the passage again. Teacher-forced "
+        f"through the engine's own paged cache, 16 tokens per step, compression by the periodic policy as while "
+        f"decoding: |W|={w['window']}, |U|={w['buffer']}, compression_period={w['compression_period']} decode steps "
+        f"(n = {region}); Kara γ={w['chunk_max']}, α={w['chunk_budget']}. Equal KV length at each budget r: every "
+        f"method keeps ⌈r·{region}⌉+{w['chunk_budget']} slots of each compressed window (Kara, its ablations, "
+        f"random and streaming through α; the methods that keep ⌈r'·n⌉ at r' = (⌈r·n⌉+α)/n); every method ran with "
+        f"its registered defaults otherwise (AMS: base Kara; R-KV, SnapKV: the whole buffer as observation window; "
+        f"H2O: half recent; CentroidKV: chunk 16; InfoKV: λ=0.5, top-10 entropy of the full-cache distribution of "
+        f"each continuation token, no representation-change term). {len(results)} runs x {args.trials} trials = "
+        f"{len(results) * args.trials} sequences, at most {args.batch_seqs} in the engine at once.",
         "",
         f"text NLL: mean over the {args.trials}×{cont_len - args.passage_len} continuation tokens except the repeated "
         f"passage; NLL after 1st round: the same over tokens from continuation index {results[0].late_from} on "
         f"(earlier tokens are scored before any compression, identically by every method); recall NLL: mean over "
         f"the repeated passage's tokens (the first occurrence's NLL is the no-recall reference); passage slots kept: "
         f"share of the planted passage's KV slots (over layers, KV heads, trials) the method keeps when its window "
-        f"is compressed (diagnostic: re-run of each trial's first window, selection only).",
+        f"is compressed (diagnostic: re-run of each trial's first window, selection only; CentroidKV: the slots its "
+        f"centroids are written to); compression ms / token: the method's compression seconds (its selection, plus "
+        f"its share of each round's query fetch and compaction) per region token it scored.",
         "",
-        *[f"- {v}" for v in verdict(results)],
+        "Best per budget (wins: trials in which the method is the best of all methods at that budget):",
+        "",
+        *[f"- {v}" for v in reading(results)],
         "",
         f"Runtime {elapsed:.0f} s for the scoring ({st.num_steps} engine steps, {st.compression_rounds} compression "
-        f"rounds taking {st.compression_seconds:.0f} s).",
+        f"rounds taking {st.compression_seconds:.0f} s), {total:.0f} s in all; sized to finish in about an hour on "
+        f"one thread of this shared 2-core CPU (the previous 6-method, one-ratio, 8-trial, 3136-token run took 34 "
+        f"min).",
     ]
     body += "\n" + "\n".join(notes)
     print(body)
-    print(f"total wall time {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+    say(f"total wall time {total:.0f} s")
     if not args.no_write:
+        plot(results, PLOT)
         cmd = "python -m bench.compression_quality " + " ".join(sys.argv[1:])
         write_section("Compression quality (teacher-forced NLL, SmolLM2)", cmd.strip(), body)
 

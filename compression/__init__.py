@@ -2,8 +2,8 @@
 
 Importing the package registers the built-in methods (each module below calls `registry.register`).
 """
-from compression import kara, snapkv  # noqa: F401  (registration)
-from compression.base import Compressor, WindowBatch, num_kept, num_topk
+from compression import ams, baselines, centroid, infokv, kara, rkv, snapkv  # noqa: F401  (registration)
+from compression.base import Compressor, PrefixBatch, Selection, WindowBatch, num_kept, num_topk
 from compression.config import COMMON_FIELDS, ConfigError, KVCompressionConfig, coerce
 from compression.kara import Kara, RandomCompressor, RecentCompressor, kara_scores, token2chunk, topk_sorted
 from compression.registry import MethodSpec, names, register
@@ -19,6 +19,8 @@ __all__ = [
     "COMMON_FIELDS",
     "Compressor",
     "ConfigError",
+    "PrefixBatch",
+    "Selection",
     "KVCompressionConfig",
     "MethodSpec",
     "WindowBatch",

@@ -46,13 +46,24 @@ region).
 
 Cost: the base scorer's, plus O(T) per row for the mass and the selection (two sorts), and a Python loop over at
 most ~1/segment_mass + T/max_seg_len segment starts (vectorised over rows).
+
+Registered as ``ams`` (bottom of this module), periodic (kept count ⌈r·n⌉ per window, no α) and threshold. In the
+serving loop the credit is per-sequence state: `ams_threshold_select` gets the credit the sequence's previous event
+returned (`PrefixBatch.slot_state["credit"]`, already in that event's post-compaction slot order; slots appended
+since then start at 0) and its new credit is stored in its place; a recompute preemption, which rebuilds the cache,
+drops it.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from compression import registry
+from compression.base import Compressor, PrefixBatch, Selection
+from compression.config import field_error
 
 from compression.baselines import (
     h2o_scores,
@@ -75,6 +86,7 @@ from compression.method_utils import (
     check_window,
     finite_scores,
     obs_window_len,
+    validate_number,
 )
 from compression.rkv import rkv_scores, rkv_window_scores
 from compression.snapkv import snapkv_scores
@@ -396,7 +408,91 @@ def ams_threshold_select(queries_obs: torch.Tensor, keys: torch.Tensor, budget: 
     return kept_all[..., :kb].contiguous(), credit_new
 
 
+# ----------------------------------------------------------------------------- registration
+def _int_at_least(name: str, value, lo: int, none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise field_error(name, f"must be an integer >= {lo}" + (" or null" if none_ok else ""), value)
+
+
+@dataclass
+class AMSParams:
+    """base: the scorer ranking slots inside each segment (null: "kara" under the periodic policy, "snapkv" under
+    the threshold policy; periodic: kara, rkv, tova, snapkv, h2o, keydiff, knorm; threshold: the same but kara);
+    segment_mass (0.02), min_seg_len (32), max_seg_len (1024), min_keep_per_segment (8): segmentation and quotas;
+    n_sink / keep_last: first / last positions always kept (null: 0 / 0 under the periodic policy, where the buffer
+    already protects the newest tokens and the sinks are in the prompt; the paper's 4 / 32 under the threshold
+    policy); credit_decay (0.8), mix_beta (0.7), use_credit (true): the EMA credit, threshold policy only (a window
+    is scored once). Defaults are the paper's (AMS_DEFAULTS of its evaluation registry)."""
+    base: str | None = None
+    segment_mass: float = AMS_SEGMENT_MASS
+    min_seg_len: int = AMS_MIN_SEG_LEN
+    max_seg_len: int = AMS_MAX_SEG_LEN
+    min_keep_per_segment: int = AMS_MIN_KEEP_PER_SEGMENT
+    n_sink: int | None = None
+    keep_last: int | None = None
+    credit_decay: float = AMS_CREDIT_DECAY
+    mix_beta: float = AMS_MIX_BETA
+    use_credit: bool = True
+
+    def validate(self) -> None:
+        bases = sorted(set(WINDOW_BASES) | set(THRESHOLD_BASES))
+        if self.base is not None and self.base not in bases:
+            raise field_error("base", f"must be one of {bases} or null", self.base)
+        validate_number("segment_mass", self.segment_mass, 0.0, 1.0)
+        if self.segment_mass <= 0:
+            raise field_error("segment_mass", "must be > 0", self.segment_mass)
+        _int_at_least("min_seg_len", self.min_seg_len, 1)
+        _int_at_least("max_seg_len", self.max_seg_len, 1)
+        if self.max_seg_len < self.min_seg_len:
+            raise field_error("max_seg_len", f"must be >= min_seg_len ({self.min_seg_len})", self.max_seg_len)
+        _int_at_least("min_keep_per_segment", self.min_keep_per_segment, 0)
+        _int_at_least("n_sink", self.n_sink, 0, none_ok=True)
+        _int_at_least("keep_last", self.keep_last, 0, none_ok=True)
+        validate_number("credit_decay", self.credit_decay, 0.0, 1.0, hi_open=True)
+        validate_number("mix_beta", self.mix_beta, 0.0, 1.0)
+        if not isinstance(self.use_credit, bool):
+            raise field_error("use_credit", "must be a boolean", self.use_credit)
+
+    def check_common(self, common) -> None:
+        table = WINDOW_BASES if common.policy == "periodic" else THRESHOLD_BASES
+        if self.base is not None and self.base not in table:
+            raise field_error("base", f"must be one of {sorted(table)} under the {common.policy} policy", self.base)
+
+
+class AMSCompressor(Compressor):
+    """AMS over a base scorer: mass-segmented quotas, ⌈r·n⌉ per window; under the threshold policy with its EMA
+    credit as per-sequence state."""
+
+    def _segmenting(self) -> dict:
+        c = self.config
+        return dict(segment_mass=c.segment_mass, min_seg_len=c.min_seg_len, max_seg_len=c.max_seg_len,
+                    min_keep_per_segment=c.min_keep_per_segment)
+
+    def select(self, queries, keys, num_region):
+        c = self.config
+        return ams_window_select(queries, keys, num_region, self.num_kept(num_region), base=c.base or "kara",
+                                 n_sink=0 if c.n_sink is None else c.n_sink,
+                                 keep_last=0 if c.keep_last is None else c.keep_last, **self._segmenting())
+
+    def select_threshold(self, batch: PrefixBatch):
+        c = self.config
+        kept, credit = ams_threshold_select(
+            batch.queries_obs, batch.keys, batch.budget, base=c.base or "snapkv",
+            credit_prev=batch.slot_state.get("credit"), use_credit=c.use_credit, credit_decay=c.credit_decay,
+            mix_beta=c.mix_beta, n_sink=AMS_N_SINK if c.n_sink is None else c.n_sink,
+            keep_last=AMS_KEEP_LAST if c.keep_last is None else c.keep_last, **self._segmenting())
+        return Selection(kept, slot_state=None if credit is None else {"credit": credit})
+
+
+registry.register("ams", AMSCompressor, AMSParams, policies=("periodic", "threshold"),
+                  description="AMS: mass-segmented quotas over a base scorer (+ EMA credit under the threshold "
+                              "policy); ⌈r·n⌉ per window")
+
+
 __all__ = ["AMS_SEGMENT_MASS", "AMS_MIN_SEG_LEN", "AMS_MAX_SEG_LEN", "AMS_MIN_KEEP_PER_SEGMENT", "AMS_N_SINK",
            "AMS_KEEP_LAST", "AMS_CREDIT_DECAY", "AMS_MIX_BETA", "AMS_EVIDENCE_KERNEL", "WINDOW_BASES",
            "THRESHOLD_BASES", "ams_normalize", "ams_credit_update", "ams_window_mass", "ams_threshold_mass",
-           "ams_segments", "ams_quotas", "ams_select", "ams_window_select", "ams_threshold_select"]
+           "ams_segments", "ams_quotas", "ams_select", "ams_window_select", "ams_threshold_select", "AMSParams",
+           "AMSCompressor"]

@@ -4,7 +4,15 @@ A window compressor sees a `WindowBatch`: several trailing windows, possibly of 
 leading (layer) axis, and returns, for every row and KV head, the sorted indices of the region slots to keep. Every
 (layer, head) keeps the same count K (positions may differ per head), which is what a paged cache with one block
 table per sequence needs. A threshold compressor sees one sequence's whole cache and the queries of its last
-``observation_window`` tokens.
+``observation_window`` tokens (a `PrefixBatch`).
+
+What a compressor asks the stage for (class attributes): ``needs_queries`` (post-RoPE window / observation
+queries), ``needs_values`` (the V of the same slots, e.g. to merge them), ``needs_entropy`` (the top-k entropy of
+the distribution each token was sampled from, recorded at sampling time, compression/state.py `EntropyStore`).
+What it may return: the kept indices alone, or a `Selection` that also carries computed K/V for the kept slots
+(merging: compaction writes them instead of moving the old K/V) and, under the threshold policy, per-slot state
+of its own already in post-compaction order (AMS's EMA credit), which the stage stores with the sequence and
+hands back at its next event.
 """
 from __future__ import annotations
 
@@ -33,15 +41,67 @@ class WindowBatch:
     num_region: int
     layers: int
     generators: list[torch.Generator] = field(default_factory=list)
+    #: [N*L, Hkv, W, D] when the compressor `needs_values`.
+    values: torch.Tensor | None = None
+    #: float32 [N*L, W] when the compressor `needs_entropy`: the entropy recorded for each window token (its row
+    #: repeated over the window's L layers; NaN where none was recorded, e.g. prompt tokens).
+    entropy: torch.Tensor | None = None
 
     @property
     def num_windows(self) -> int:
         return self.keys.shape[0] // self.layers
 
 
+@dataclass
+class PrefixBatch:
+    """One sequence's whole cache for the threshold policy: keys [L, Hkv, T, D] of all T = kv_len slots, the
+    queries [L, Hq, w, D] of its last w = ``obs_window`` tokens (None when the compressor does not need them) and
+    ``budget`` prefix slots to keep out of [0, T - w) (the w observation slots are kept after them).
+
+    ``entropy`` (when the compressor `needs_entropy`): float32 [L, Hkv, T], per slot (compaction moves each KV
+    head's slots differently, so after the first event it differs per head). ``slot_state``: what the compressor
+    returned as `Selection.slot_state` at this sequence's previous event ({} before the first one or after a
+    recompute preemption), laid out [L, Hkv, T'] over the slots that existed right after that event (T' <= T:
+    slots appended since then are the newest ones)."""
+    queries_obs: torch.Tensor | None
+    keys: torch.Tensor
+    budget: int
+    obs_window: int
+    values: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    slot_state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Selection:
+    """What a selector returns when indices alone do not say it all.
+
+    kept [R, Hkv, K]: as `select_windows` / `select_prefix` return them. new_keys / new_values [R, Hkv, K, D]: the
+    K/V to write into the kept slots (merging), both or neither. slot_state (threshold policy): per-slot state
+    [L, Hkv, K + w] in post-compaction order (the kept prefix slots, then the w observation slots)."""
+    kept: torch.Tensor
+    new_keys: torch.Tensor | None = None
+    new_values: torch.Tensor | None = None
+    slot_state: dict[str, torch.Tensor] | None = None
+
+    @property
+    def merges(self) -> bool:
+        return self.new_keys is not None
+
+
+def as_selection(result: "torch.Tensor | Selection") -> Selection:
+    return result if isinstance(result, Selection) else Selection(result)
+
+
 class Compressor(ABC):
     #: False for selectors that ignore the queries (random, recency): the stage then skips recomputing them.
     needs_queries: bool = True
+    #: True for selectors that read the values (merging): the stage gathers them into `WindowBatch.values`.
+    needs_values: bool = False
+    #: True for selectors that read the sampling entropy of each token (InfoKV): the engine records it when it
+    #: samples a token of a sequence using this compressor (top-k renormalised, k = `entropy_top_k`).
+    needs_entropy: bool = False
+    entropy_top_k: int = 10
 
     def __init__(self, config: "KVCompressionConfig"):
         self.config = config
@@ -51,8 +111,9 @@ class Compressor(ABC):
         return num_topk(self.config.ratio, num_region)
 
     # periodic policy
-    def select_windows(self, batch: WindowBatch) -> torch.Tensor:
-        """LongTensor [N*L, Hkv, K] of kept region indices, ascending per row, K = num_kept(num_region)."""
+    def select_windows(self, batch: WindowBatch) -> "torch.Tensor | Selection":
+        """LongTensor [N*L, Hkv, K] of kept region indices, ascending per row, K = num_kept(num_region) (or a
+        `Selection` carrying them)."""
         return self.select(batch.queries, batch.keys, batch.num_region)
 
     def select(self, queries: torch.Tensor | None, keys: torch.Tensor, num_region: int) -> torch.Tensor:
@@ -63,6 +124,10 @@ class Compressor(ABC):
         """queries_obs [L, Hq, w, D] of the last w tokens, keys [L, Hkv, T, D] of all T cached slots -> kept
         indices [L, Hkv, min(budget, T - w)] into the prefix [0, T - w), ascending."""
         raise NotImplementedError(f"{type(self).__name__} does not run under the threshold policy")
+
+    def select_threshold(self, batch: PrefixBatch) -> "torch.Tensor | Selection":
+        """The threshold policy's entry point: `select_prefix` unless a method needs more than queries and keys."""
+        return self.select_prefix(batch.queries_obs, batch.keys, batch.budget)
 
 
 def check_window_inputs(queries: torch.Tensor, keys: torch.Tensor, num_region: int) -> None:
@@ -83,4 +148,5 @@ def num_kept(ratio: float, n: int, chunk_budget: int) -> int:
     return min(n, num_topk(ratio, n) + chunk_budget)
 
 
-__all__ = ["Compressor", "WindowBatch", "check_window_inputs", "num_kept", "num_topk"]
+__all__ = ["Compressor", "WindowBatch", "PrefixBatch", "Selection", "as_selection", "check_window_inputs", "num_kept",
+           "num_topk"]

@@ -3,6 +3,13 @@ Pure torch, batched over a leading layer-like axis and KV heads; scores in float
 (layer, KV head), ascending, ties -> lower index, NaN scores -> -inf. StreamingLLM is
 `compression.kara.RecentCompressor` (the newest region slots).
 
+Registered methods (bottom of this module): ``snapkv``, ``tova``, ``h2o``, ``keydiff``, ``knorm``, each under the
+periodic policy (one trailing window at a time, kept count ⌈r·n⌉ per window: none of them has Kara's α; the
+comparison bench gives them the ratio that keeps as many slots as Kara's ⌈r·n⌉ + α) and under the threshold policy
+(the whole cache to ``threshold_target`` once it reaches ``threshold_max``). ``threshold`` (compression/snapkv.py)
+stays the name of the original SnapKV threshold baseline; ``snapkv`` with ``policy="threshold"`` selects the same
+slots (avg pooling) and adds the window form.
+
 Sources (conventions carried over, code written here):
   * SnapKV, arXiv 2404.14469: the last ``obs`` queries attend causally, probabilities summed over them, pooled
     (avg or max, kernel 5), averaged over the GQA group (kvpress convention; same as compression/snapkv.py).
@@ -16,11 +23,18 @@ Sources (conventions carried over, code written here):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from compression import registry
+from compression.base import Compressor, PrefixBatch
+from compression.config import field_error, num_topk
 from compression.method_utils import (
+    _is_int,
     causal_probs,
+    check_obs_window,
     check_budget,
     check_k,
     check_kernel,
@@ -31,8 +45,11 @@ from compression.method_utils import (
     obs_window_len,
     pool1d,
     select_topk,
+    threshold_budget,
+    validate_kernel,
+    validate_obs_window,
 )
-from compression.snapkv import snapkv_scores
+from compression.snapkv import snapkv_scores, snapkv_select
 
 SNAPKV_KERNEL = 5
 
@@ -232,10 +249,148 @@ def knorm_threshold_select(queries_obs: torch.Tensor | None, keys: torch.Tensor,
     return select_topk(knorm_threshold_scores(queries_obs, keys, obs_window=obs_window), budget)
 
 
+# ----------------------------------------------------------------------------- registration
+@dataclass
+class SnapKVWindowParams:
+    """obs_window: trailing window queries observing the region (periodic policy; null: the whole buffer U);
+    kernel: odd pooling width along the keys (5, as SnapKV); pooling: "avg" (zero padding counted, kvpress) or
+    "max"."""
+    obs_window: int | None = None
+    kernel: int = SNAPKV_KERNEL
+    pooling: str = "avg"
+
+    def validate(self) -> None:
+        validate_obs_window(self.obs_window)
+        validate_kernel("kernel", self.kernel)
+        if self.pooling not in ("avg", "max"):
+            raise field_error("pooling", "must be 'avg' or 'max'", self.pooling)
+
+    def check_common(self, common) -> None:
+        check_obs_window(self.obs_window, common)
+
+
+class SnapKVWindowCompressor(Compressor):
+    """SnapKV (arXiv 2404.14469) as a window method and as a threshold method; keeps ⌈r·n⌉ per window."""
+
+    def select(self, queries, keys, num_region):
+        c = self.config
+        return snapkv_window_select(queries, keys, num_region, self.num_kept(num_region), obs_window=c.obs_window,
+                                    kernel=c.kernel, pooling=c.pooling)
+
+    def select_prefix(self, queries_obs, keys, budget):
+        c = self.config
+        if c.pooling == "avg":
+            return snapkv_select(snapkv_scores(queries_obs, keys, c.kernel), budget)
+        return select_topk(pool1d(snapkv_scores(queries_obs, keys, 1), c.kernel, "max"), budget)
+
+
+@dataclass
+class TOVAParams:
+    """TOVA has no parameters: the newest token's attention, averaged over all query heads of the layer."""
+
+    def validate(self) -> None:
+        pass
+
+
+class TOVACompressor(Compressor):
+    """TOVA (arXiv 2401.06104); keeps ⌈r·n⌉ per window (one kept set per layer, shared by its KV heads)."""
+
+    def select(self, queries, keys, num_region):
+        return tova_select(queries, keys, num_region, self.num_kept(num_region))
+
+    def select_prefix(self, queries_obs, keys, budget):
+        return tova_threshold_select(queries_obs, keys, budget)
+
+
+@dataclass
+class H2OParams:
+    """num_recent: the newest kept slots of every selection (null: half of them, H2O's equal heavy/recent split);
+    the rest are the heavy hitters by accumulated attention. Must fit the kept count."""
+    num_recent: int | None = None
+
+    def validate(self) -> None:
+        if self.num_recent is not None and (not _is_int(self.num_recent) or self.num_recent < 0):
+            raise field_error("num_recent", "must be an integer >= 0 or null (half of the kept slots)",
+                              self.num_recent)
+
+    def check_common(self, common) -> None:
+        if self.num_recent is None:
+            return
+        kept = (num_topk(common.ratio, common.window - common.buffer) if common.policy == "periodic"
+                else threshold_budget(common))
+        if self.num_recent > kept:
+            raise field_error("num_recent", f"must be <= the slots kept per selection ({kept})", self.num_recent)
+
+
+class H2OCompressor(Compressor):
+    """H2O (arXiv 2306.14048) restricted to the window's queries; keeps ⌈r·n⌉ per window."""
+
+    def select(self, queries, keys, num_region):
+        return h2o_select(queries, keys, num_region, self.num_kept(num_region), num_recent=self.config.num_recent)
+
+    def select_prefix(self, queries_obs, keys, budget):
+        return h2o_threshold_select(queries_obs, keys, budget, num_recent=self.config.num_recent)
+
+
+@dataclass
+class KeyDiffParams:
+    """KeyDiff has no parameters (query-free: distance from the mean normalised key)."""
+
+    def validate(self) -> None:
+        pass
+
+
+class KeyDiffCompressor(Compressor):
+    """KeyDiff (arXiv 2504.15364); query-free; keeps ⌈r·n⌉ per window."""
+
+    needs_queries = False
+
+    def select(self, queries, keys, num_region):
+        return keydiff_select(None, keys, num_region, self.num_kept(num_region))
+
+    def select_threshold(self, batch: PrefixBatch):
+        return keydiff_threshold_select(None, batch.keys, batch.budget, obs_window=batch.obs_window)
+
+
+@dataclass
+class KnormParams:
+    """K-norm has no parameters (query-free: the lowest-norm keys are kept)."""
+
+    def validate(self) -> None:
+        pass
+
+
+class KnormCompressor(Compressor):
+    """K-norm (arXiv 2406.11430); query-free; keeps ⌈r·n⌉ per window."""
+
+    needs_queries = False
+
+    def select(self, queries, keys, num_region):
+        return knorm_select(None, keys, num_region, self.num_kept(num_region))
+
+    def select_threshold(self, batch: PrefixBatch):
+        return knorm_threshold_select(None, batch.keys, batch.budget, obs_window=batch.obs_window)
+
+
+_BOTH = ("periodic", "threshold")
+registry.register("snapkv", SnapKVWindowCompressor, SnapKVWindowParams, policies=_BOTH,
+                  description="SnapKV: observation-window attention, pooled; ⌈r·n⌉ per window")
+registry.register("tova", TOVACompressor, TOVAParams, policies=_BOTH,
+                  description="TOVA: the newest token's head-averaged attention; ⌈r·n⌉ per window")
+registry.register("h2o", H2OCompressor, H2OParams, policies=_BOTH,
+                  description="H2O: accumulated attention + the newest slots; ⌈r·n⌉ per window")
+registry.register("keydiff", KeyDiffCompressor, KeyDiffParams, policies=_BOTH,
+                  description="KeyDiff: keys least similar to the mean key (query-free); ⌈r·n⌉ per window")
+registry.register("knorm", KnormCompressor, KnormParams, policies=_BOTH,
+                  description="K-norm: the lowest-norm keys (query-free); ⌈r·n⌉ per window")
+
+
 __all__ = [
     "snapkv_window_scores", "snapkv_window_select",
     "tova_scores", "tova_select", "tova_threshold_scores", "tova_threshold_select",
     "h2o_scores", "h2o_select", "h2o_threshold_scores", "h2o_threshold_select",
     "keydiff_scores", "keydiff_select", "keydiff_threshold_scores", "keydiff_threshold_select",
     "knorm_scores", "knorm_select", "knorm_threshold_scores", "knorm_threshold_select",
+    "SnapKVWindowParams", "SnapKVWindowCompressor", "TOVAParams", "TOVACompressor", "H2OParams", "H2OCompressor",
+    "KeyDiffParams", "KeyDiffCompressor", "KnormParams", "KnormCompressor",
 ]

@@ -21,14 +21,23 @@ the manner of ToMe's bipartite soft matching (the method the abstract adapts); t
     rounds. No log(size) attention bias (not expressible in a standard paged-attention kernel).
   * the cluster's slot is its B representative (the surviving slot); kept slots are returned ascending.
 Cost: O(L Hkv n c D) per round (the c x c similarities of every chunk).
+
+Registered as ``centroid`` (bottom of this module), periodic policy only (the threshold policy would re-merge
+centroids at every event, averaging ever more distant post-RoPE keys). It keeps k = ⌈r·n⌉ slots per window (no
+α); the stage gathers the window's values too and the compaction writes the centroids into the kept slots
+(`paging.compaction.CompactionJob.new_keys` / ``new_values``). All n - k removed slots count as merged.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from compression import registry
+from compression.base import Compressor, Selection, WindowBatch
+from compression.config import field_error
 from compression.method_utils import check_window
 
 CENTROID_CHUNK_SIZE = 16
@@ -124,4 +133,35 @@ def centroid_merge(keys: torch.Tensor, values: torch.Tensor, num_region: int, k:
     return kept, merged(keys), merged(values)
 
 
-__all__ = ["CENTROID_CHUNK_SIZE", "centroid_clusters", "centroid_merge"]
+@dataclass
+class CentroidParams:
+    """chunk_size c (16): region slots per matching chunk (clusters never cross a chunk; raised to ⌈n / k⌉ when
+    that is larger)."""
+    chunk_size: int = CENTROID_CHUNK_SIZE
+
+    def validate(self) -> None:
+        c = self.chunk_size
+        if isinstance(c, bool) or not isinstance(c, int) or c < 2:
+            raise field_error("chunk_size", "must be an integer >= 2", c)
+
+
+class CentroidCompressor(Compressor):
+    """Merges each window's region into ⌈r·n⌉ centroids per (layer, KV head)."""
+
+    needs_queries = False
+    needs_values = True
+
+    def select_windows(self, batch: WindowBatch) -> Selection:
+        if batch.values is None:
+            raise ValueError("centroid needs the window values")
+        n = batch.num_region
+        kept, new_keys, new_values = centroid_merge(batch.keys, batch.values, n, self.num_kept(n),
+                                                    chunk_size=self.config.chunk_size)
+        return Selection(kept, new_keys, new_values)
+
+
+registry.register("centroid", CentroidCompressor, CentroidParams,
+                  description="Chelsea/CentroidKV: merge each window's keys/values into ⌈r·n⌉ centroids")
+
+
+__all__ = ["CENTROID_CHUNK_SIZE", "centroid_clusters", "centroid_merge", "CentroidParams", "CentroidCompressor"]

@@ -1,7 +1,10 @@
 """`KVCompressionConfig` (engine default or per request) and `coerce`, the one converter every caller uses.
 
 A config is flat when written (``{"method": "kara", "ratio": 0.3, "chunk_max": 8}``): the keys are the common
-fields below plus the method's own parameters (its dataclass in the registry, compression/registry.py).
+fields below plus the method's own parameters (its dataclass in the registry, compression/registry.py). A parameter
+dataclass has ``validate()`` (each field alone) and may have ``check_common(common)`` (rules between its fields and
+the common ones, e.g. a count that must fit the kept budget), run once the whole config is known; both raise
+`field_error` naming the field.
 
 Vocabulary (arXiv 2607.01237 §3): a sequence's trailing *window* W of |W| = ``window`` KV slots is split into the
 *compressible region* (its first n = |W| − |U| slots) and the *buffer* U (its last |U| = ``buffer`` slots, never
@@ -105,6 +108,9 @@ class KVCompressionConfig:
         except TypeError as err:  # a dataclass that rejects a value type in its own __init__
             raise ConfigError(f"{_PREFIX}: {err}", _PREFIX) from None
         params.validate()
+        check = getattr(params, "check_common", None)
+        if _relations and check is not None:  # a rule between a method parameter and the common fields
+            check(object.__getattribute__(self, "common"))
         object.__setattr__(self, "params", params)
         object.__setattr__(self, "_key", tuple(sorted(self.to_dict().items(), key=lambda kv: kv[0])))
 

@@ -31,11 +31,28 @@ was never compacted, so one value per token); threshold policy ``[L, T]`` before
 ``[L, Hkv, T]`` after one, since compaction moves each KV head's slots differently (see
 `paging.compaction.compact_slot_state`). Representation change: the same shapes (its values differ per layer).
 Cost: the attention scorer's, plus O(L Hkv n).
+
+In the serving loop (registered as ``infokv``, bottom of this module; periodic, kept count ⌈r·n⌉ per window, no α,
+and threshold): the engine computes `topk_entropy` (k = ``entropy_top_k``) of the logits each token is sampled from,
+only for sequences using this method, and stores it at the token's logical position
+(compression/state.py `EntropyStore`). A periodic window is always the uncompressed tail, so position = slot and the
+stage passes the window's entropies as [N*L, W]. Under the threshold policy the stage keeps the entropies per slot
+([L, Hkv, T]) and compacts them with the K/V (`paging.compaction.compact_slot_state`). Teacher-forced scoring
+samples nothing, so a scorer supplies the entropies itself (bench/compression_quality.py does). The
+representation-change signal is not wired into the engine (rep_change=None there, so ``rho`` has no effect): it
+needs each layer's input and output hidden states of every scored token, which neither the query cache
+(queries captured during the step) nor query recomputation (engine/models/llama.py returns only queries) provides
+without a change to the model code.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from compression import registry
+from compression.base import Compressor, PrefixBatch, WindowBatch
+from compression.config import field_error
 from compression.kara import kara_scores
 from compression.method_utils import (
     check_budget,
@@ -45,6 +62,8 @@ from compression.method_utils import (
     check_unit,
     check_window,
     select_topk,
+    validate_kernel,
+    validate_number,
 )
 from compression.snapkv import snapkv_scores
 
@@ -163,6 +182,50 @@ def infokv_threshold_select(queries_obs: torch.Tensor, keys: torch.Tensor, budge
                                                kernel=kernel), budget)
 
 
+@dataclass
+class InfoKVParams:
+    """lam (0.5): weight of the entropy score against attention; rho (0.25): the representation-change part of the
+    entropy score (no effect in the engine, which supplies no such signal); entropy_top_k (10): k of the top-k
+    renormalised entropy recorded at sampling; kernel (5): odd pooling width of the threshold policy's SnapKV
+    attention score. Why these defaults: the module docstring."""
+    lam: float = INFOKV_LAMBDA
+    rho: float = INFOKV_RHO
+    entropy_top_k: int = INFOKV_TOPK
+    kernel: int = INFOKV_KERNEL
+
+    def validate(self) -> None:
+        validate_number("lam", self.lam, 0.0, 1.0)
+        validate_number("rho", self.rho, 0.0, 1.0)
+        k = self.entropy_top_k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise field_error("entropy_top_k", "must be an integer >= 1", k)
+        validate_kernel("kernel", self.kernel)
+
+
+class InfoKVCompressor(Compressor):
+    """InfoKV-style: attention share mixed with the sampling-entropy share; ⌈r·n⌉ per window."""
+
+    needs_entropy = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.entropy_top_k = config.entropy_top_k
+
+    def select_windows(self, batch: WindowBatch):
+        c = self.config
+        n = batch.num_region
+        return infokv_select(batch.queries, batch.keys, n, self.num_kept(n), batch.entropy, lam=c.lam, rho=c.rho)
+
+    def select_threshold(self, batch: PrefixBatch):
+        c = self.config
+        return infokv_threshold_select(batch.queries_obs, batch.keys, batch.budget, batch.entropy, lam=c.lam,
+                                       rho=c.rho, kernel=c.kernel)
+
+
+registry.register("infokv", InfoKVCompressor, InfoKVParams, policies=("periodic", "threshold"),
+                  description="InfoKV-style: attention + top-k sampling entropy per token; ⌈r·n⌉ per window")
+
+
 __all__ = ["INFOKV_LAMBDA", "INFOKV_RHO", "INFOKV_TOPK", "INFOKV_KERNEL", "topk_entropy", "representation_change",
            "infokv_combine", "infokv_window_scores", "infokv_select", "infokv_threshold_scores",
-           "infokv_threshold_select"]
+           "infokv_threshold_select", "InfoKVParams", "InfoKVCompressor"]

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from compression.base import check_window_inputs
+from compression.config import field_error
 from compression.kara import topk_sorted
 
 # Above this many float32 elements in one [layers, ...] intermediate, work on groups of layers (same bound as
@@ -153,5 +154,48 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return topk_sorted(scores, k)
 
 
+# ----------------------------------------------------------------------------- parameter records
+def _is_int(v) -> bool:
+    """An int that is not a bool (JSON true must not pass as 1)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_obs_window(obs_window, common) -> None:
+    """The window policy's observation queries must lie in the buffer; the threshold policy observes the last
+    ``observation_window`` tokens (a common field) instead, so a per-method obs_window there would be ignored."""
+    if obs_window is None:
+        return
+    if common.policy == "threshold":
+        raise field_error("obs_window", "applies to the periodic policy only (the threshold policy observes the last "
+                                        "observation_window tokens); leave it unset", obs_window)
+    if obs_window > common.buffer:
+        raise field_error("obs_window", f"must be <= buffer ({common.buffer}): observation queries lie in the buffer",
+                          obs_window)
+
+
+def validate_obs_window(obs_window) -> None:
+    if obs_window is not None and (not _is_int(obs_window) or obs_window < 1):
+        raise field_error("obs_window", "must be an integer >= 1 or null (the whole buffer)", obs_window)
+
+
+def validate_kernel(name: str, kernel) -> None:
+    if not _is_int(kernel) or kernel < 1 or kernel % 2 == 0:
+        raise field_error(name, "must be an odd integer >= 1", kernel)
+
+
+def validate_number(name: str, value, lo: float, hi: float, hi_open: bool = False) -> None:
+    """A parameter-record field that must be a real number in [lo, hi] (or [lo, hi)); raises naming it."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(float(value))
+    if not ok or not lo <= value <= hi or (hi_open and value >= hi):
+        raise field_error(name, f"must be a number in [{lo:g}, {hi:g}{')' if hi_open else ']'}", value)
+
+
+def threshold_budget(common) -> int:
+    """Prefix slots a threshold event keeps (every event scores more than that many: T - w > N - w)."""
+    return common.threshold_target - common.observation_window
+
+
+
 __all__ = ["MAX_ELEMS", "layer_groups", "check_window", "check_threshold", "check_k", "check_budget", "check_kernel",
-           "check_unit", "obs_window_len", "group_queries", "causal_probs", "pool1d", "finite_scores", "select_topk"]
+           "check_unit", "obs_window_len", "group_queries", "causal_probs", "pool1d", "finite_scores", "select_topk",
+           "check_obs_window", "validate_obs_window", "validate_kernel", "validate_number", "threshold_budget"]

@@ -23,18 +23,26 @@ are sliced to the region [0, n).
 Cost: the redundancy term forms a T x T (window: W x W) cosine matrix per (layer, KV head): O(L Hkv T^2 D) time
 and L Hkv T^2 floats (layers are processed in groups to bound memory); importance is O(L Hq w T D).
 R-KV's own schedule (compress to N once N + 128 slots are reached) is the threshold policy's, set by the caller.
+
+Registered as ``rkv`` (bottom of this module), periodic (kept count ⌈r·n⌉ per window, no α) and threshold. R-KV's
+own schedule and observation window as a request setting: ``{"method": "rkv", "policy": "threshold",
+"threshold_target": N, "threshold_max": N + 128, "observation_window": 8}``.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from compression import registry
+from compression.base import Compressor
 from compression.method_utils import (
     check_budget,
     check_k,
     check_kernel,
+    check_obs_window,
     check_threshold,
     check_unit,
     check_window,
@@ -42,6 +50,9 @@ from compression.method_utils import (
     layer_groups,
     obs_window_len,
     select_topk,
+    validate_kernel,
+    validate_number,
+    validate_obs_window,
 )
 
 RKV_LAMBDA = 0.1
@@ -145,5 +156,45 @@ def rkv_select(queries: torch.Tensor, keys: torch.Tensor, num_region: int, k: in
                                          sim_threshold=sim_threshold), k)
 
 
+@dataclass
+class RKVParams:
+    """lam λ (0.1, the paper's; its reference class uses 0.07): weight of importance against redundancy;
+    kernel: odd max-pool width of the importance (7); sim_threshold: cosine above which a key counts as a
+    near-duplicate (0.5); obs_window: trailing window queries used as R-KV's observation window under the periodic
+    policy (null: the whole buffer U; R-KV uses 8). Under the threshold policy the common observation_window is
+    R-KV's window."""
+    lam: float = RKV_LAMBDA
+    kernel: int = RKV_KERNEL
+    sim_threshold: float = RKV_SIM_THRESHOLD
+    obs_window: int | None = None
+
+    def validate(self) -> None:
+        validate_number("lam", self.lam, 0.0, 1.0)
+        validate_number("sim_threshold", self.sim_threshold, -1.0, 1.0)
+        validate_kernel("kernel", self.kernel)
+        validate_obs_window(self.obs_window)
+
+    def check_common(self, common) -> None:
+        check_obs_window(self.obs_window, common)
+
+
+class RKVCompressor(Compressor):
+    """R-KV: λ·importance − (1 − λ)·redundancy, top ⌈r·n⌉ per window (or the threshold budget)."""
+
+    def select(self, queries, keys, num_region):
+        c = self.config
+        return rkv_select(queries, keys, num_region, self.num_kept(num_region), obs_window=c.obs_window, lam=c.lam,
+                          kernel=c.kernel, sim_threshold=c.sim_threshold)
+
+    def select_prefix(self, queries_obs, keys, budget):
+        c = self.config
+        return rkv_threshold_select(queries_obs, keys, budget, lam=c.lam, kernel=c.kernel,
+                                    sim_threshold=c.sim_threshold)
+
+
+registry.register("rkv", RKVCompressor, RKVParams, policies=("periodic", "threshold"),
+                  description="R-KV: attention importance minus key redundancy; ⌈r·n⌉ per window")
+
+
 __all__ = ["RKV_LAMBDA", "RKV_KERNEL", "RKV_SIM_THRESHOLD", "RKV_OBS_WINDOW", "rkv_importance", "rkv_redundancy",
-           "rkv_scores", "rkv_threshold_select", "rkv_window_scores", "rkv_select"]
+           "rkv_scores", "rkv_threshold_select", "rkv_window_scores", "rkv_select", "RKVParams", "RKVCompressor"]

@@ -13,18 +13,31 @@ compressed to N.
 
 Compression never changes a sequence's logical position: RoPE for new tokens keeps using `num_computed_tokens`,
 while `kv_len` shrinks.
+
+Beyond keys and queries, a method may ask for (compression/base.py): values (gathered like the keys), the sampling
+entropy of each token (recorded by the engine through `record_entropy` when it samples, stored by logical position
+in the sequence's `CompressionState`; a periodic window is uncompressed tail, so position = slot there; under the
+threshold policy the stage keeps a per-slot copy compacted with the K/V), and its own per-slot state across
+threshold events (`Selection.slot_state`, e.g. AMS's credit). A merging method returns K/V for its kept slots,
+which the compaction writes instead of moving the old ones.
+
+Statistics: `RoundStats` totals plus one `RoundStats` per method name (`RoundStats.by_method`). Token counts and
+seconds of the methods add up to the totals (a round's shared work, query fetching and the batched compaction, is
+shared out by tokens scored); a round that compressed sequences of two methods counts once in the totals and once
+for each method. ``tokens_evicted`` counts every region slot removed from the cache, merged ones included (the
+same memory accounting for every method); ``tokens_merged`` counts those of them folded into a kept slot.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Protocol
 
 import torch
 
-from compression.base import WindowBatch
+from compression.base import PrefixBatch, WindowBatch, as_selection
 from compression.config import KVCompressionConfig, coerce
-from compression.state import CompressionState
+from compression.state import CompressionState, EntropyStore
 
 
 class Sequence(Protocol):
@@ -44,16 +57,21 @@ QueryFn = Callable[[list[tuple[Any, int, int]]], torch.Tensor]
 
 class KVManager(Protocol):
     def gather_keys(self, seq: Sequence, start: int, length: int) -> torch.Tensor: ...
+    def gather_values(self, seq: Sequence, start: int, length: int) -> torch.Tensor: ...
     def compact(self, jobs: list["CompactionRequest"]) -> list[int]: ...
 
 
 @dataclass
 class CompactionRequest:
-    """Keep `kept` [L, Hkv, K] (indices into the region) of the region [region_start, region_start + region_len)."""
+    """Keep `kept` [L, Hkv, K] (indices into the region) of the region [region_start, region_start + region_len).
+    ``new_keys`` / ``new_values`` [L, Hkv, K, D] (merging, both or neither): written into the K kept slots instead
+    of the old K/V of the kept indices."""
     seq: Any
     region_start: int
     region_len: int
     kept: torch.Tensor
+    new_keys: torch.Tensor | None = None
+    new_values: torch.Tensor | None = None
 
 
 @dataclass
@@ -63,9 +81,18 @@ class RoundStats:
     queries_cached: int = 0  # window tokens whose queries came from the query cache
     queries_recomputed: int = 0
     blocks_freed: int = 0
-    tokens_evicted: int = 0
+    tokens_evicted: int = 0  # region slots removed from the cache (merged ones included)
+    tokens_merged: int = 0  # of which folded into a kept slot by a merging method
     tokens_seen: int = 0
     seconds: float = 0.0
+    #: method name -> that method's share (totals only in the engine-wide record)
+    by_method: dict[str, "RoundStats"] = field(default_factory=dict)
+
+    def method(self, name: str) -> "RoundStats":
+        return self.by_method.setdefault(name, RoundStats())
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "by_method"}
 
 
 class CompressionStage:
@@ -94,8 +121,12 @@ class CompressionStage:
             source = "recompute" if self.device_type == "cuda" else "cache"
         if cfg.policy != "periodic" or not self.compressor(cfg).needs_queries:
             source = "recompute"  # the threshold policy reads only its observation window: nothing to keep
-        kept = self.compressor(cfg).num_kept(cfg.region_len) if cfg.policy == "periodic" else 0
-        return CompressionState(cfg, start, query_source=source, kept_per_window=kept)
+        comp = self.compressor(cfg)
+        kept = comp.num_kept(cfg.region_len) if cfg.policy == "periodic" else 0
+        st = CompressionState(cfg, start, query_source=source, kept_per_window=kept)
+        if comp.needs_entropy:
+            st.entropy, st.entropy_top_k = EntropyStore(), comp.entropy_top_k
+        return st
 
     def compressor(self, cfg: KVCompressionConfig):
         comp = self._compressors.get(cfg)
@@ -116,6 +147,27 @@ class CompressionStage:
                     f"concurrency for {max_model_len}-token requests: {kv_tokens * factor / max_model_len:.2f}x)"]
         return [f"KV compression: {c.method}, threshold C_max={c.threshold_max} -> N={c.threshold_target}; each "
                 f"sequence holds at most {c.threshold_max} KV slots"]
+
+    # -- side signals -------------------------------------------------------------------------------------
+    def record_entropy(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Called by the engine with the logits each of `seqs` samples its next token from (rows in order): for
+        the sequences whose method needs it, the top-k renormalised entropy (compression/infokv.py
+        `topk_entropy`) is stored at the logical position the sampled token will take. Others cost nothing."""
+        groups: dict[int, list[int]] = {}
+        for row, seq in enumerate(seqs):
+            st = seq.compression
+            if st is not None and st.entropy is not None:
+                groups.setdefault(st.entropy_top_k, []).append(row)
+        if not groups:
+            return
+        from compression.infokv import topk_entropy
+
+        for k, rows in groups.items():
+            idx = torch.tensor(rows, device=logits.device)
+            ent = topk_entropy(logits.index_select(0, idx), k).cpu()
+            for i, row in enumerate(rows):
+                seq = seqs[row]
+                seq.compression.entropy.put(seq.num_tokens, ent[i:i + 1])
 
     # -- the hook -----------------------------------------------------------------------------------------
     def after_step(self, running: list[Sequence], kv: KVManager, queries: QueryFn) -> None:
@@ -160,12 +212,11 @@ class CompressionStage:
             expected += saved / block_size
             if expected >= blocks_wanted:
                 break
-        freed = self.run_window_round(picked, kv, queries)
-        self.stats.on_demand_rounds += 1
-        return freed
+        return self.run_window_round(picked, kv, queries, on_demand=True)
 
     # -- periodic window compression ----------------------------------------------------------------------
-    def run_window_round(self, candidates: list[Sequence], kv: KVManager, queries: QueryFn) -> int:
+    def run_window_round(self, candidates: list[Sequence], kv: KVManager, queries: QueryFn,
+                         on_demand: bool = False) -> int:
         """Compress every complete window of each candidate's tail; returns the blocks freed."""
         if self.round_hook is not None:
             self.round_hook("window", candidates)
@@ -192,81 +243,143 @@ class CompressionStage:
                   for (s, start, n), nq in zip(spans, needs)]
         recompute = [sp for sp, nq, c in zip(spans, needs, cached) if nq and c is None]
         q_all = queries(recompute) if recompute else None
-        self.stats.queries_cached += sum(sp[2] for sp, c in zip(spans, cached) if c is not None)
-        self.stats.queries_recomputed += sum(sp[2] for sp in recompute)
         by_cfg: dict[KVCompressionConfig, list] = {}
         offset = 0
         for (seq, num_windows), (_, _, length), nq, c in zip(picked, spans, needs, cached):
-            keys = kv.gather_keys(seq, seq.compression.compressed_kv_len, length)  # [L, Hkv, length, D]
             q = None
             if c is not None:
                 q = c.transpose(1, 2)  # [L, Hq, length, D]
             elif nq:
                 q = q_all[:, offset:offset + length].transpose(1, 2)
                 offset += length
-            by_cfg.setdefault(seq.compression.config, []).append((seq, num_windows, q, keys))
-        jobs = []
+            by_cfg.setdefault(seq.compression.config, []).append((seq, num_windows, q, length))
+            m = self.stats.method(seq.compression.config.method)
+            for rec in (self.stats, m):
+                rec.queries_cached += length if c is not None else 0
+                rec.queries_recomputed += length if nq and c is None else 0
+        jobs, own_time, device = [], {}, None
         for cfg, group in by_cfg.items():
+            t_cfg = time.perf_counter()
+            comp = self.compressor(cfg)
             n, w = cfg.region_len, cfg.window
-            L = group[0][3].shape[0]
-            qs, ks, gens = [], [], []
-            for seq, num_windows, q, keys in group:  # every window of every sequence stacked on the layer axis
+            qs, ks, vs, es, gens = [], [], [], [], []
+            for seq, num_windows, q, length in group:  # every window of every sequence stacked on the layer axis
+                st = seq.compression
+                keys = kv.gather_keys(seq, st.compressed_kv_len, length)  # [L, Hkv, length, D]
+                values = kv.gather_values(seq, st.compressed_kv_len, length) if comp.needs_values else None
+                # the tail is uncompressed: slot compressed_kv_len + i is logical position compressed_tokens + i
+                ent = st.entropy.get(st.compressed_tokens, length) if comp.needs_entropy else None
+                L = keys.shape[0]
                 for j in range(num_windows):
                     ks.append(keys[:, :, j * n:j * n + w])
+                    if values is not None:
+                        vs.append(values[:, :, j * n:j * n + w])
                     if q is not None:
                         qs.append(q[:, :, j * n:j * n + w])
-                    gens.append(seq.compression.rng())
-            batch = WindowBatch(torch.cat(ks), torch.cat(qs) if qs else None, n, L, gens)
-            kept = self.compressor(cfg).select_windows(batch)  # [Nw*L, Hkv, K]
+                    if ent is not None:
+                        es.append(ent[j * n:j * n + w].expand(L, w))
+                    gens.append(st.rng())
+            device = ks[0].device
+            batch = WindowBatch(torch.cat(ks), torch.cat(qs) if qs else None, n, L, gens,
+                                values=torch.cat(vs) if vs else None,
+                                entropy=torch.cat(es).to(device) if es else None)
+            sel = as_selection(comp.select_windows(batch))  # kept [Nw*L, Hkv, K]
+            kept = sel.kept
             K = kept.shape[-1]
+            if K != comp.num_kept(n):  # the frontier bookkeeping and footprint projections rely on it
+                raise RuntimeError(f"{cfg.method} kept {K} slots of a {n}-slot region, expected {comp.num_kept(n)}")
             start = 0
             for seq, num_windows, _, _ in group:
-                part = kept[start * L:(start + num_windows) * L].view(num_windows, L, -1, K)
+                rows = slice(start * L, (start + num_windows) * L)
                 start += num_windows
+                part = kept[rows].view(num_windows, L, -1, K)
                 shift = (torch.arange(num_windows, device=part.device) * n).view(-1, 1, 1, 1)
                 rel = (part + shift).permute(1, 2, 0, 3).reshape(L, part.shape[2], num_windows * K)
-                jobs.append((CompactionRequest(seq, seq.compression.compressed_kv_len, num_windows * n, rel),
-                             num_windows * K))
-        freed = kv.compact([job for job, _ in jobs])
-        for (job, kept_slots), f in zip(jobs, freed):
+                req = CompactionRequest(seq, seq.compression.compressed_kv_len, num_windows * n, rel)
+                if sel.merges:  # window-major within each (layer, head), like `rel`
+                    req.new_keys, req.new_values = (
+                        t[rows].view(num_windows, L, t.shape[1], K, -1).permute(1, 2, 0, 3, 4)
+                        .reshape(L, t.shape[1], num_windows * K, -1) for t in (sel.new_keys, sel.new_values))
+                jobs.append((req, num_windows * K, sel.merges))
+            own_time[cfg.method] = own_time.get(cfg.method, 0.0) + time.perf_counter() - t_cfg
+        freed = kv.compact([job for job, _, _ in jobs])
+        for (job, kept_slots, merged), f in zip(jobs, freed):
             job.seq.compression.advance(job.region_len, kept_slots)
-            self._count(job, kept_slots, f)
-        self._finish_round(t0, kept.device)
+            self._count(job, kept_slots, f, merged)
+        self._finish_round(t0, device, own_time, [job for job, _, _ in jobs], on_demand)
         return sum(freed)
 
     # -- threshold baseline -------------------------------------------------------------------------------
     def run_threshold(self, seqs: list[Sequence], kv: KVManager, queries: QueryFn) -> int:
         if self.round_hook is not None:
             self.round_hook("threshold", seqs)
+        from paging.compaction import compact_slot_state
+
         t0 = time.perf_counter()
-        q_all = queries([(s, s.num_computed_tokens - s.compression.config.observation_window,
-                          s.compression.config.observation_window) for s in seqs])
-        jobs, offset = [], 0
-        for seq in seqs:
-            cfg = seq.compression.config
+        comps = [self.compressor(s.compression.config) for s in seqs]
+        spans = [(s, s.num_computed_tokens - s.compression.config.observation_window,
+                  s.compression.config.observation_window) for s, c in zip(seqs, comps) if c.needs_queries]
+        q_all = queries(spans) if spans else None  # query-free methods (KeyDiff, K-norm) skip the forward
+        jobs, own_time, offset, device = [], {}, 0, None
+        for seq, comp in zip(seqs, comps):
+            t_seq = time.perf_counter()
+            st, cfg = seq.compression, seq.compression.config
             w = cfg.observation_window
-            keys = kv.gather_keys(seq, 0, seq.kv_len)
-            q = q_all[:, offset:offset + w].transpose(1, 2)
-            offset += w
-            kept = self.compressor(cfg).select_prefix(q, keys, cfg.threshold_target - w)
-            jobs.append(CompactionRequest(seq, 0, seq.kv_len - w, kept))
-        freed = kv.compact(jobs)
-        for job, f in zip(jobs, freed):  # the threshold baseline re-scores the whole cache and keeps no frontier
-            job.seq.compression.ever_compressed = True
-            job.seq.compression.exact = False
-            self._count(job, int(job.kept.shape[-1]), f)
-        self._finish_round(t0, q_all.device)
+            T = seq.kv_len
+            keys = kv.gather_keys(seq, 0, T)
+            device = keys.device
+            q = None
+            if comp.needs_queries:
+                q = q_all[:, offset:offset + w].transpose(1, 2)
+                offset += w
+            ent = st.slot_entropies(T, keys.shape[0], keys.shape[1]) if comp.needs_entropy else None
+            batch = PrefixBatch(q, keys, cfg.threshold_target - w, w,
+                                values=kv.gather_values(seq, 0, T) if comp.needs_values else None,
+                                entropy=ent.to(device) if ent is not None else None, slot_state=st.slot_state)
+            sel = as_selection(comp.select_threshold(batch))
+            req = CompactionRequest(seq, 0, T - w, sel.kept, sel.new_keys, sel.new_values)
+            # per-slot state follows the kept slots (applied once the compaction is done)
+            new_ent = compact_slot_state(ent, 0, T - w, sel.kept.cpu()) if ent is not None else None
+            jobs.append((req, sel, new_ent))
+            own_time[cfg.method] = own_time.get(cfg.method, 0.0) + time.perf_counter() - t_seq
+        freed = kv.compact([job for job, _, _ in jobs])
+        for (job, sel, new_ent), f in zip(jobs, freed):  # the threshold baseline keeps no frontier
+            st = job.seq.compression
+            st.ever_compressed = True
+            st.exact = False
+            st.slot_state = dict(sel.slot_state or {})
+            if new_ent is not None:
+                st.slot_entropy, st.slot_entropy_pos = new_ent, job.seq.num_computed_tokens
+            self._count(job, int(job.kept.shape[-1]), f, sel.merges)
+        self._finish_round(t0, device, own_time, [job for job, _, _ in jobs])
         return sum(freed)
 
-    def _count(self, job: CompactionRequest, kept: int, freed: int) -> None:
+    def _count(self, job: CompactionRequest, kept: int, freed: int, merged: bool = False) -> None:
         job.seq.compression.rounds += 1
-        s = self.stats
-        s.blocks_freed += freed
-        s.tokens_evicted += job.region_len - kept
-        s.tokens_seen += job.region_len
+        m = self.stats.method(job.seq.compression.config.method)
+        for s in (self.stats, m):
+            s.blocks_freed += freed
+            s.tokens_evicted += job.region_len - kept
+            s.tokens_merged += job.region_len - kept if merged else 0
+            s.tokens_seen += job.region_len
 
-    def _finish_round(self, t0: float, device: torch.device) -> None:
-        if device.type == "cuda":  # count the queued kernels in the round's time
+    def _finish_round(self, t0: float, device: torch.device | None, own_time: dict[str, float],
+                      jobs: list[CompactionRequest], on_demand: bool = False) -> None:
+        if device is not None and device.type == "cuda":  # count the queued kernels in the round's time
             torch.cuda.synchronize(device)
+        total = time.perf_counter() - t0
         self.stats.rounds += 1
-        self.stats.seconds += time.perf_counter() - t0
+        self.stats.on_demand_rounds += on_demand
+        self.stats.seconds += total
+        # Each method's own selection time, plus a share of the round's common work (queries, compaction) by the
+        # tokens it scored in this round, so the methods' seconds add up to the total.
+        tokens = dict.fromkeys(own_time, 0)
+        for job in jobs:
+            tokens[job.seq.compression.config.method] += job.region_len
+        common = max(0.0, total - sum(own_time.values()))
+        all_tokens = sum(tokens.values()) or 1
+        for name, own in own_time.items():
+            m = self.stats.method(name)
+            m.rounds += 1
+            m.on_demand_rounds += on_demand
+            m.seconds += own + common * tokens[name] / all_tokens

@@ -4,7 +4,7 @@ request's settings), so a greedy or seeded request compresses the same windows a
 runs beside it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,6 +48,33 @@ class QueryCache:
         return 0 if self.buf is None else self.buf.numel() * self.buf.element_size()
 
 
+class EntropyStore:
+    """One sequence's per-token side signal by logical position (InfoKV's sampling entropy): float32, NaN where
+    nothing was recorded (prompt tokens, whose logits are never computed). Position t holds the entropy of the
+    distribution token t was sampled from. Positions are logical, so the store survives compaction and
+    preemption unchanged (a re-prefill recomputes the same tokens)."""
+
+    def __init__(self, capacity: int = 256):
+        self.buf = torch.full((capacity,), float("nan"))
+
+    def put(self, first: int, values: torch.Tensor) -> None:
+        values = values.detach().to("cpu", torch.float32).reshape(-1)
+        end = first + values.numel()
+        if end > self.buf.numel():
+            grown = torch.full((max(end, 2 * self.buf.numel()),), float("nan"))
+            grown[:self.buf.numel()] = self.buf
+            self.buf = grown
+        self.buf[first:end] = values
+
+    def get(self, first: int, n: int) -> torch.Tensor:
+        """float32 [n] for positions [first, first + n) (NaN past what was recorded)."""
+        out = torch.full((n,), float("nan"))
+        hi = min(first + n, self.buf.numel())
+        if hi > first:
+            out[:hi - first] = self.buf[first:hi]
+        return out
+
+
 @dataclass
 class CompressionState:
     config: KVCompressionConfig
@@ -64,6 +91,16 @@ class CompressionState:
     queries: QueryCache | None = None
     exact: bool = True  # the device cache still equals the full cache (nothing compressed since the last prefill)
     hold: bool = False  # set by the engine while unverified drafts sit in the cache (lossless): no round may run
+    # InfoKV's side signal (None unless the method `needs_entropy`): sampling entropy by logical position,
+    # recorded by the engine with top-k = entropy_top_k.
+    entropy: EntropyStore | None = None
+    entropy_top_k: int = 10
+    # Threshold policy, per KV slot, valid while the cache holds what the last event left: the method's own state
+    # (`Selection.slot_state`, e.g. AMS's credit), and the entropy of slots [0, T0) as compacted ([L, Hkv, T0];
+    # slots from T0 on are uncompressed: slot T0 + i is logical position slot_entropy_pos + i).
+    slot_state: dict = field(default_factory=dict)
+    slot_entropy: torch.Tensor | None = None
+    slot_entropy_pos: int = 0
 
     def __post_init__(self) -> None:
         self.reset()
@@ -100,6 +137,17 @@ class CompressionState:
         is sticky so a second preemption keeps that."""
         self.reset()
         self.pending = self.config.compress_prompt or self.ever_compressed
+        # the re-prefill rebuilds an uncompressed cache: per-slot state of the old slots means nothing there
+        self.slot_state = {}
+        self.slot_entropy, self.slot_entropy_pos = None, 0
+
+    def slot_entropies(self, kv_len: int, layers: int, kv_heads: int) -> torch.Tensor:
+        """float32 [L, Hkv, kv_len]: the entropy of every KV slot (threshold policy, see `slot_entropy`)."""
+        if self.entropy is None:
+            raise RuntimeError("this sequence's method records no entropy")
+        t0 = 0 if self.slot_entropy is None else self.slot_entropy.shape[2]
+        tail = self.entropy.get(self.slot_entropy_pos, kv_len - t0).expand(layers, kv_heads, kv_len - t0)
+        return tail.clone() if self.slot_entropy is None else torch.cat([self.slot_entropy, tail], dim=2)
 
     def advance(self, region: int, kept: int) -> None:
         self.compressed_tokens += region

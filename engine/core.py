@@ -273,6 +273,9 @@ class EngineCore:
                 return
             seqs, logits = [seqs[i] for i in keep], logits[keep]
         apply_min_tokens(logits, [self._banned(seq, seq.num_outputs) for seq in seqs])
+        # InfoKV's side signal: the entropy of the distribution each token is drawn from (only for sequences whose
+        # compression method asks for it), stored at the token's logical position before it is appended
+        self.compression.record_entropy(seqs, logits)
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.default_generator)
         top_n = max((s.params.logprobs or 0) for s in seqs)
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
@@ -438,6 +441,9 @@ class EngineCore:
         s.compression_rounds, s.compression_blocks_freed = c.rounds, c.blocks_freed
         s.compression_tokens_evicted, s.compression_tokens_seen = c.tokens_evicted, c.tokens_seen
         s.compression_seconds = c.seconds
+        s.compression_tokens_merged = c.tokens_merged
+        # copied at C level first: another thread (the metrics scrape) may read while the loop adds a method
+        s.compression_by_method = {name: m.as_dict() for name, m in list(c.by_method.items())}
         s.compression_on_demand_rounds = c.on_demand_rounds
         s.queries_cached, s.queries_recomputed = c.queries_cached, c.queries_recomputed
         s.query_cache_bytes = sum(q.compression.queries.nbytes for q in self.scheduler.running

@@ -1,7 +1,7 @@
 """Results returned to users (vLLM's RequestOutput / CompletionOutput fields)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -64,6 +64,10 @@ class EngineStats:
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
     recomputed_tokens: int = 0  # computed tokens thrown away by recompute preemptions
+    compression_tokens_merged: int = 0  # of the evicted tokens, those folded into a kept slot (merging methods)
+    # per method name: rounds, on_demand_rounds, tokens_seen, tokens_evicted, tokens_merged, blocks_freed, seconds,
+    # queries_cached, queries_recomputed (tokens and seconds add up to the totals above)
+    compression_by_method: dict[str, dict] = field(default_factory=dict)
     lossless_drafted: int = 0  # tokens drafted from compressed caches
     lossless_accepted: int = 0  # drafts the full cache agreed with
     lossless_verifications: int = 0

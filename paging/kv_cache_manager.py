@@ -275,18 +275,26 @@ class KVCacheManager:
         return per_block * self.host_pool.num_used
 
     # -- compression --------------------------------------------------------------------------------------
-    def gather_keys(self, seq: "Sequence", start: int, length: int) -> torch.Tensor:
-        """Keys of KV slots [start, start + length), all layers: [L, Hkv, length, D]."""
+    def _gather(self, seq: "Sequence", start: int, length: int, which: int) -> torch.Tensor:
         kv = self.kv_cache
         bs = self.block_size
         slots = torch.arange(start, start + length)
         table = torch.tensor(seq.block_table, dtype=torch.long)
         dev = kv.data.device
-        return kv.data[:, table[slots // bs].to(dev), 0, (slots % bs).to(dev)].transpose(1, 2)
+        return kv.data[:, table[slots // bs].to(dev), which, (slots % bs).to(dev)].transpose(1, 2)
+
+    def gather_keys(self, seq: "Sequence", start: int, length: int) -> torch.Tensor:
+        """Keys of KV slots [start, start + length), all layers: [L, Hkv, length, D]."""
+        return self._gather(seq, start, length, 0)
+
+    def gather_values(self, seq: "Sequence", start: int, length: int) -> torch.Tensor:
+        """Values of KV slots [start, start + length), all layers: [L, Hkv, length, D]."""
+        return self._gather(seq, start, length, 1)
 
     def compact(self, jobs: list["CompactionRequest"]) -> list[int]:
-        """Apply compactions (one batched gather/scatter), shrink KV lengths, free whole blocks past the new ends.
-        Returns the number of blocks freed per job."""
+        """Apply compactions (one batched gather/scatter), shrink KV lengths, free whole blocks past the new ends. A
+        job carrying ``new_keys`` / ``new_values`` (merging) has those written into its kept slots. Returns the
+        number of blocks freed per job."""
         if not jobs:
             return []
         bs = self.block_size
@@ -312,8 +320,9 @@ class KVCacheManager:
         tensor-parallel worker runs on its KV shard while rank 0's `compact` keeps the books. Returns the new
         KV lengths."""
         return compact_batch(self.kv_cache.data, [
-            CompactionJob(j.seq.block_table, j.region_start, j.region_len, j.kept, j.seq.kv_len) for j in jobs],
-            check_indices=False)
+            CompactionJob(j.seq.block_table, j.region_start, j.region_len, j.kept, j.seq.kv_len,
+                          new_keys=getattr(j, "new_keys", None), new_values=getattr(j, "new_values", None))
+            for j in jobs], check_indices=False)
 
     # -- checks -------------------------------------------------------------------------------------------
     def check_invariants(self, running: Seq["Sequence"], waiting: Seq["Sequence"] = ()) -> None:

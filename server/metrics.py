@@ -9,6 +9,10 @@ Each app gets its own `CollectorRegistry`, so tests can build several apps in on
   ``kvllm:compression_rounds_total``, ``kvllm:compression_blocks_freed_total``,
   ``kvllm:compression_tokens_evicted_total``, ``kvllm:compression_seconds_total``, and the prefix cache's
   ``kvllm:prefix_cache_queries_total`` / ``kvllm:prefix_cache_hits_total`` (tokens, as vLLM counts them).
+  Per compression method (label ``method``, from ``EngineStats.compression_by_method``):
+  ``kvllm:compression_method_rounds_total``, ``..._tokens_seen_total``, ``..._tokens_evicted_total``,
+  ``..._tokens_merged_total``, ``..._blocks_freed_total``, ``..._seconds_total``; tokens, blocks and seconds add up
+  to the totals (a round that compressed sequences of two methods counts once for each of them).
 * Per-request histograms observed by the HTTP layer (seconds, vLLM's buckets):
   ``kvllm:time_to_first_token_seconds``, ``kvllm:inter_token_latency_seconds``,
   ``kvllm:e2e_request_latency_seconds``, ``kvllm:request_prompt_tokens``, ``kvllm:request_generation_tokens``;
@@ -57,6 +61,9 @@ class EngineStatsCollector(Collector):
         ("compression_blocks_freed", "compression_blocks_freed", "KV blocks freed by compression."),
         ("compression_tokens_evicted", "compression_tokens_evicted", "KV tokens evicted by compression."),
         ("compression_seconds", "compression_seconds", "Wall time spent compressing (seconds)."),
+        ("compression_tokens_seen", "compression_tokens_seen", "KV tokens scored by compression."),
+        ("compression_tokens_merged", "compression_tokens_merged",
+         "KV tokens folded into a kept slot by merging compression (counted in the evicted tokens too)."),
         ("compression_on_demand_rounds", "compression_on_demand_rounds",
          "Compression rounds run on demand before a preemption."),
         ("swapped_out_blocks", "swapped_out_blocks", "KV blocks swapped out to host memory by preemptions."),
@@ -67,6 +74,15 @@ class EngineStatsCollector(Collector):
         ("lossless_verify_seconds", "lossless_verify_seconds", "Lossless mode: time spent verifying (seconds)."),
         ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of prompt tokens looked up."),
         ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of prompt tokens found cached."),
+    )
+
+    METHOD_COUNTERS = (
+        ("rounds", "Compression rounds that compressed sequences of this method."),
+        ("tokens_seen", "KV tokens scored by this compression method."),
+        ("tokens_evicted", "KV tokens removed by this compression method (merged ones included)."),
+        ("tokens_merged", "KV tokens folded into a kept slot by this compression method."),
+        ("blocks_freed", "KV blocks freed by this compression method."),
+        ("seconds", "Wall time spent compressing with this method (seconds; a round's shared work split by tokens)."),
     )
 
     def __init__(self, engine: Any, model_name: str, prefix: str = "kvllm:"):
@@ -89,6 +105,12 @@ class EngineStatsCollector(Collector):
         for name, attr, doc in self.COUNTERS:
             c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], float(getattr(stats, attr, 0) or 0))
+            yield c
+        by_method = getattr(stats, "compression_by_method", None) or {}
+        for key, doc in self.METHOD_COUNTERS:
+            c = CounterMetricFamily(self.prefix + "compression_method_" + key, doc, labels=["model_name", "method"])
+            for method in sorted(by_method):
+                c.add_metric([self.model_name, method], float(by_method[method].get(key, 0) or 0))
             yield c
         healthy = GaugeMetricFamily(self.prefix + "engine_healthy", "1 while the engine loop runs.",
                                     labels=["model_name"])

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.compression_quality import (METHODS, _passage_stats, diagnose, evaluate, passage_kept_fraction,  # noqa: E402
-                                       synthetic_trials, tables)
+from bench.compression_quality import (LABELS, METHODS, _passage_stats, diagnose, evaluate,  # noqa: E402
+                                       passage_kept_fraction, synthetic_trials, tables)
 from engine import SamplingParams  # noqa: E402
 
 WINDOW = dict(window=16, buffer=4, chunk_max=4, chunk_budget=2, compression_period=12)
@@ -91,3 +91,53 @@ def test_recompute_queries_of_a_tail_prefix_equal_the_full_tail(make_engine, one
         torch.testing.assert_close(part, full[:, :tail - 5], rtol=1e-5, atol=1e-5)
         checked += seq.kv_len < seq.num_computed_tokens
     assert checked > 0  # some checks ran on an already-compressed sequence
+
+
+def test_every_method_keeps_the_same_slots_at_each_budget():
+    from bench.compression_quality import DEFAULT_WINDOW, method_config
+
+    n = DEFAULT_WINDOW["window"] - DEFAULT_WINDOW["buffer"]
+    for r in (0.2, 0.3, 0.5):
+        kept = {m: method_config(m, r, DEFAULT_WINDOW).kept_per_window for m in METHODS if m != "none"}
+        assert set(kept.values()) == {math.ceil(r * n) + DEFAULT_WINDOW["chunk_budget"]}, kept
+
+
+def test_token_entropies_equal_what_the_engine_records_when_sampling(make_engine, one_thread):
+    from bench.compression_quality import token_entropies
+
+    eng = make_engine()
+    prompt = list(range(5, 25))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                            kv_compression={"method": "infokv", "window": 64, "buffer": 8, "compression_period": 64})
+    req = eng.new_request(prompt, params, "e")
+    eng.add_request(req)
+    while not req.done.is_set():
+        eng.step()
+    seq = req.seqs[0]
+    recorded = seq.compression.entropy.get(0, seq.num_tokens)
+    ours = token_entropies(eng, seq.all_token_ids(), 10, chunk=7)  # chunks of 7: the paged forward across chunks
+    assert torch.isnan(ours[0]) and torch.isnan(recorded[:len(prompt)]).all()
+    torch.testing.assert_close(ours[len(prompt):], recorded[len(prompt):], rtol=1e-4, atol=1e-5)
+
+
+def test_reading_and_plot(make_engine, one_thread, tmp_path):
+    from bench.compression_quality import plot, reading
+
+    eng = make_engine(num_kv_blocks=256)
+    trials = synthetic_trials(2, vocab=eng.model_config.vocab_size, filler_len=40, lead_len=4, passage_len=6,
+                              context_len=5)
+    methods = ("none", "kara", "streaming", "infokv", "centroid")
+    results = evaluate(eng, trials, methods, ratios=(0.2, 0.5), window=WINDOW, chunk_size=4, batch_seqs=4)
+    assert [(r.method, r.ratio) for r in results] == [("none", None)] + [(m, r) for r in (0.2, 0.5)
+                                                                         for m in methods[1:]]
+    for res in results[1:]:
+        assert res.compressed_tokens > 0 and res.compression_seconds > 0 and math.isfinite(res.ms_per_token)
+        assert res.kept_per_window == {0.2: 5, 0.5: 8}[res.ratio] and res.region_len == 12
+    lines = reading(results)
+    assert len(lines) == 4 and all("trials" in line for line in lines)
+    # the named best has the lowest mean of its budget
+    best = min((r for r in results if r.ratio == 0.2), key=lambda r: r.recall_nll)
+    assert lines[0].startswith("r=0.2") and f"best recall NLL {LABELS[best.method]} " in lines[0]
+    path = tmp_path / "q.png"
+    plot(results, path)
+    assert path.stat().st_size > 1000

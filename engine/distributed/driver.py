@@ -283,6 +283,11 @@ class TPDriver:
                              f"(> 1) yet")
             err.param = "kv_compression.lossless"
             raise err
+        if cfg.make_compressor().needs_entropy:  # recorded by rank 0's sampler; workers have no copy of it yet
+            err = ValueError(f"kv_compression method {cfg.method!r} reads sampling entropies, which are not sent "
+                             f"to tensor-parallel workers yet (tensor_parallel_size={self.size})")
+            err.param = "kv_compression.method"
+            raise err
         if not self.replicated:
             return
         if cfg.make_compressor().needs_queries:
