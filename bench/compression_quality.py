@@ -59,11 +59,12 @@ from compression import KVCompressionConfig  # noqa: E402
 from compression.base import WindowBatch, as_selection  # noqa: E402
 from compression.config import num_topk  # noqa: E402
 
-METHODS = ("none", "kara", "kara_no_chunk", "kara_buffer_queries", "random", "streaming", "snapkv", "tova", "h2o",
+METHODS = ("none", "kara", "kara_recompute", "kara_no_chunk", "kara_buffer_queries", "random", "streaming", "snapkv", "tova", "h2o",
            "keydiff", "knorm", "rkv", "ams", "infokv", "centroid")
 LABELS = {
     "none": "full cache (none)",
     "kara": "Kara",
+    "kara_recompute": "Kara, recomputed queries",
     "kara_no_chunk": "Kara w/o Token2Chunk",
     "kara_buffer_queries": "Kara w/o Bi-Attention (buffer queries)",
     "random": "random in window",
@@ -298,12 +299,15 @@ def method_config(method: str, ratio: float, window: dict) -> KVCompressionConfi
         return KVCompressionConfig("none")
     from compression import COMMON_FIELDS, registry
 
+    extra = {}
+    if method == "kara_recompute":  # Kara with its window queries from a second forward instead of the query cache
+        method, extra = "kara", {"query_source": "recompute"}
     names = set(registry.get(method).param_names())
     n, alpha = window["window"] - window["buffer"], window.get("chunk_budget", 0)
     values = {k: v for k, v in window.items() if k in set(COMMON_FIELDS) | names}
     want = min(n, num_topk(ratio, n) + alpha)
     cfg = KVCompressionConfig(method, ratio=ratio if "chunk_budget" in names else equal_kv_ratio(ratio, n, alpha),
-                              **values)
+                              **values, **extra)
     assert cfg.kept_per_window == want, (method, cfg.kept_per_window, want)
     return cfg
 
@@ -342,7 +346,12 @@ def evaluate(engine, trials: list[Trial], methods: Sequence[str] = METHODS, rati
     batches: list[list[int]] = []
     for r in [None, *ratios]:
         idx = [i for i, run in enumerate(runs) if run[1] == r]
+        # two configs of one engine method (kara with cached vs recomputed queries) go to separate batches
+        seen_methods: set[str] = set()
+        later = [i for i in idx if runs[i][2].method in seen_methods or seen_methods.add(runs[i][2].method)]
+        idx = [i for i in idx if i not in later]
         batches += [idx[i:i + per_batch] for i in range(0, len(idx), per_batch)]
+        batches += [later[i:i + per_batch] for i in range(0, len(later), per_batch)]
     logprobs: list[list[list[float]]] = [[] for _ in runs]
     usage: list[dict[str, float]] = [{} for _ in runs]
     for b in batches:
@@ -356,7 +365,7 @@ def evaluate(engine, trials: list[Trial], methods: Sequence[str] = METHODS, rati
         engine.check_invariants()
         for j, i in enumerate(b):
             logprobs[i] = lps[j * len(trials):(j + 1) * len(trials)]
-            m = runs[i][0]
+            m = runs[i][2].method
             usage[i] = {key: after.get(m, {}).get(key, 0) - before.get(m, {}).get(key, 0)
                         for key in ("tokens_seen", "tokens_evicted", "tokens_merged", "seconds")}
         if progress is not None:

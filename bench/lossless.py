@@ -5,7 +5,7 @@ Reports output tok/s, the mean running batch, the acceptance rate (accepted / dr
 verification, the verification share of engine time, peak host memory of the full tier, and whether the lossless
 outputs equal the uncompressed ones. Public API only.
 
-    python -m bench.lossless [--num-requests 8] [--output-len 384] [--pool-seqs 2] ...
+    python -m bench.lossless [--num-requests 8] [--output-len 384] [--pool-seqs 2] [--methods kara rkv] ...
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--buffer", type=int, default=8)
     ap.add_argument("--ratio", type=float, default=0.25)
     ap.add_argument("--horizon-max", type=int, default=32)
+    ap.add_argument("--methods", nargs="+", default=["kara", "rkv"], help="compressed settings to run (kara, rkv)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-write", action="store_true")
@@ -37,13 +38,17 @@ def main() -> None:
     seq_len = args.input_len + args.output_len
     blocks = args.pool_seqs * -(-seq_len // args.block_size)
     engine = Engine(model=args.model, dtype="float32", device="cpu", block_size=args.block_size, num_kv_blocks=blocks,
-                    max_model_len=seq_len + 1, max_num_seqs=args.num_requests, watermark=0.0,
+                    max_model_len=min(seq_len + 1, blocks * args.block_size), max_num_seqs=args.num_requests, watermark=0.0,
                     lossless_host_memory="4GiB")
     prompts = text_prompts(engine.tokenizer, args.num_requests, args.input_len)
     kara = {"method": "kara", "window": args.window, "buffer": args.buffer, "ratio": args.ratio, "chunk_max": 4,
             "chunk_budget": 8, "compression_period": args.window - args.buffer}
-    settings = {"none": "none", "kara (lossy)": kara,
-                "kara lossless": {**kara, "lossless": True, "horizon_max": args.horizon_max}}
+    rkv = {"method": "rkv", "window": args.window, "buffer": args.buffer, "ratio": args.ratio,
+           "compression_period": args.window - args.buffer}
+    lossless = {"lossless": True, "horizon_max": args.horizon_max}
+    settings = {"none": "none", "kara (lossy)": kara, "kara lossless": {**kara, **lossless},
+                "rkv lossless": {**rkv, **lossless}}
+    settings = {k: v for k, v in settings.items() if k == "none" or k.split()[0] in args.methods}
     run_requests(engine, prompts[:2], SamplingParams(temperature=0, max_tokens=4), 2, prefix="warm")
     rows, outputs = [], {}
     for name, comp in settings.items():
@@ -55,7 +60,7 @@ def main() -> None:
             host[0] = max(host[0], st.full_tier_bytes)
 
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, kv_compression=comp)
-        outs, wall = run_requests(engine, prompts, params, args.num_requests, prefix=name[:4], on_step=sample)
+        outs, wall = run_requests(engine, prompts, params, args.num_requests, prefix=name.replace(" ", "_"), on_step=sample)
         engine.check_invariants()
         st = engine.stats()
         outputs[name] = [o.outputs[0].token_ids for o in outs]
@@ -82,7 +87,8 @@ def main() -> None:
              f"{args.input_len}-token real-text prompts, {args.output_len} greedy tokens (ignore_eos), all at once; "
              f"device pool {blocks} blocks x {args.block_size} = room for {args.pool_seqs} uncompressed sequences. "
              f"Kara: |W|={args.window}, |U|={args.buffer}, r={args.ratio}, γ=4, α=8, period "
-             f"{args.window - args.buffer}; lossless horizon 2..{args.horizon_max}.")
+             f"{args.window - args.buffer}; R-KV: same window, buffer, r and period (keeps ⌈r·n⌉, no α); lossless "
+             f"horizon 2..{args.horizon_max}. \"output = none\": every request's tokens equal the uncompressed run's.")
     print(body)
     if not args.no_write:
         write_section("Lossless mode (draft from the compressed cache, verify against the full cache)",

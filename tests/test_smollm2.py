@@ -47,19 +47,20 @@ def test_kara_with_ratio_one_is_lossless_over_many_rounds(smollm2_engine):
     eng.check_invariants()
 
 
-def test_lossless_kara_equals_uncompressed_output_over_1000_tokens(smollm2_engine):
-    """Lossless mode on real weights: 8 prompts, 1000 greedy tokens, Kara at r = 0.25 compressing every 112 steps;
-    drafts from the compressed cache are verified against the full tier, so the output is the uncompressed one."""
+def test_lossless_kara_equals_uncompressed_output(smollm2_engine):
+    """Lossless mode on real weights: 4 prompts, 320 greedy tokens, Kara at r = 0.25 compressing every 56 steps;
+    drafts from the compressed cache are verified against the full tier, so the output is the uncompressed one.
+    (8 prompts x 1000 tokens on a memory-limited pool, with preemptions and R-KV too: bench/lossless.py's
+    "output = none" column.)"""
     eng = smollm2_engine
-    prompts = [eng.encode_prompt(p) for p in PROMPTS + ["Once upon a time", "List three colours:", "import os\n",
-                                                       "The theory of relativity"]]
-    kara = {"method": "kara", "ratio": 0.25, "window": 128, "buffer": 16, "compression_period": 112,
+    prompts = [eng.encode_prompt(p) for p in PROMPTS]
+    kara = {"method": "kara", "ratio": 0.25, "window": 64, "buffer": 8, "compression_period": 56,
             "lossless": True}
-    params = dict(temperature=0, max_tokens=1000, ignore_eos=True)
+    params = dict(temperature=0, max_tokens=320, ignore_eos=True)
     ref = eng.generate(prompts, SamplingParams(kv_compression="none", **params), use_tqdm=False)
     eng.reset_stats()
     out = eng.generate(prompts, SamplingParams(kv_compression=kara, **params), use_tqdm=False)
     st = eng.stats()
-    assert st.compression_rounds >= 8 and st.lossless_verifications > 0 and st.lossless_drafted > 0
+    assert st.compression_rounds >= 4 * 4 and st.lossless_verifications > 0 and st.lossless_drafted > 0
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     eng.check_invariants()
