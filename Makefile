@@ -42,7 +42,7 @@ test: install
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 bench: install
-	$(PY) bench/offline_throughput.py
+	$(PY) -m bench.offline_throughput
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build/cpu_ext

@@ -4,8 +4,9 @@ few uncompressed sequences, no compression vs the threshold baseline vs periodic
 For each pool (room for 2, 4, 8 uncompressed sequences of prompt + output tokens) and each setting it runs the same
 requests (short real-text prompts, long greedy outputs with ignore_eos, every request admitted as soon as the
 engine takes it) and reports output tok/s, the mean running batch, preemptions, recomputed tokens, on-demand
-rounds and the compression share of engine time. A last row runs no compression on an ample pool with the
-concurrency Kara reached, so Kara's gain reads as a fraction of what the extra concurrency can give. Public API only.
+rounds and the compression share of engine time. The last rows run on an ample pool (room for every request
+uncompressed): none there is what full concurrency is worth, so Kara's gain reads as a fraction of it, and Kara there
+shows what compression costs when memory is not short. Public API only.
 
     python -m bench.compression_throughput [--num-requests 12] [--output-len 768] [--pools 2,4,8] ...
 """
@@ -75,9 +76,10 @@ def plot(results, path) -> None:
         pts = sorted((r["pool"], r["tok_s"]) for r in results if r["setting"] == setting and r["pool"])
         if pts:
             ax.plot([p for p, _ in pts], [t for _, t in pts], marker="o", label=setting)
-    ample = [r for r in results if r["pool"] is None]
-    for r in ample:
-        ax.axhline(r["tok_s"], ls=":", color="gray", label=f"none, ample pool, concurrency {r['concurrency']}")
+    for r in results:
+        if r["pool"] is None:
+            ax.axhline(r["tok_s"], ls=":", color="gray" if r["setting"] == "none" else "black",
+                       label=f"{r['setting']}, ample pool")
     ax.set_xlabel("KV pool (room for N uncompressed sequences)")
     ax.set_ylabel("output tok/s")
     ax.set_xticks(sorted({r["pool"] for r in results if r["pool"]}))
@@ -96,6 +98,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=768)
     ap.add_argument("--pools", default="2,4,8", help="pool sizes in uncompressed sequences")
     ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--ample-settings", default="none,kara-fcfs", help="settings run on a pool for every request")
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--buffer", type=int, default=8)
     ap.add_argument("--period", type=int, default=0, help="compression period (0: window - buffer)")
@@ -129,35 +132,30 @@ def main() -> None:
                                  "observation_window": 32}}
     results = []
     cache: dict = {}
-    kara_batches = []
     for pool in [int(x) for x in args.pools.split(",")]:
         for setting in args.settings.split(","):
             r = run(args, pool, setting, compression, args.num_requests, cache)
             results.append(r)
-            if setting.startswith("kara"):
-                kara_batches.append(r["mean_batch"])
             print(f"pool {pool} {setting:26s} {r['tok_s']:6.1f} tok/s  batch {r['mean_batch']:4.1f}  preempt "
                   f"{r['preemptions']:3d} (recomputed {r['recomputed']}, swapped {r['swapped']} blocks)  rounds "
                   f"{r['rounds']} (on demand {r['on_demand']})  compression {100 * r['share']:.1f}%", flush=True)
-    ample_c = max(1, round(max(kara_batches))) if kara_batches else args.num_requests
-    r = run(args, None, "none", compression, ample_c, cache)
-    r["concurrency"] = ample_c
-    results.append(r)
-    print(f"ample pool, none, concurrency {ample_c}: {r['tok_s']:.1f} tok/s", flush=True)
+    # The ample pool holds every request uncompressed: none there is what full concurrency is worth, and Kara there
+    # shows what compression costs when memory is not short.
+    for setting in args.ample_settings.split(","):
+        r = run(args, None, setting, compression, args.num_requests, cache)
+        results.append(r)
+        print(f"ample pool {setting:26s} {r['tok_s']:6.1f} tok/s  batch {r['mean_batch']:4.1f}  compression "
+              f"{100 * r['share']:.1f}%", flush=True)
 
     lines = ["| pool (uncompressed seqs) | setting | output tok/s | vs none | mean running batch | preemptions "
              "| recomputed tokens | swapped blocks | rounds (on demand) | compression share |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        if r["pool"] is None:
-            continue
-        base = next(x for x in results if x["pool"] == r["pool"] and x["setting"] == "none")
-        lines.append(f"| {r['pool']} | {r['setting']} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x "
+        base = next((x for x in results if x["pool"] == r["pool"] and x["setting"] == "none"), r)
+        pool = r["pool"] or f"ample ({args.num_requests})"
+        lines.append(f"| {pool} | {r['setting']} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x "
                      f"| {r['mean_batch']:.1f} | {r['preemptions']} | {r['recomputed']} | {r['swapped']} "
                      f"| {r['rounds']} ({r['on_demand']}) | {100 * r['share']:.1f}% |")
-    ample = results[-1]
-    lines.append(f"| ample ({args.num_requests}) | none, max concurrency {ample['concurrency']} | "
-                 f"{ample['tok_s']:.1f} | - | {ample['mean_batch']:.1f} | {ample['preemptions']} | - | - | - | - |")
     body = "\n".join(lines)
     body += (f"\n\n{args.model} ({torch.get_num_threads()} CPU thread(s)), {args.num_requests} requests x "
              f"{args.input_len}-token real-text prompts, {args.output_len} new tokens (greedy, ignore_eos), all "
@@ -165,8 +163,8 @@ def main() -> None:
              f"r={args.ratio}, γ={args.chunk_max}, α={args.chunk_budget}, period {period}, query source "
              f"{args.query_source}. threshold: SnapKV, C_max={cmax} -> N={target}. Preemption mode "
              f"{args.preemption_mode}. kara-preempt-only: first-come admission, no compress-before-preempt (the "
-             f"old loop); kara-fcfs adds compress-before-preempt; kara-aware also admits by projected peak footprint. The last row is no compression on a pool for "
-             f"every request, with the concurrency Kara reached: the throughput that concurrency is worth here.")
+             f"old loop); kara-fcfs adds compress-before-preempt; kara-aware also admits by projected peak footprint. The ample rows have a pool for every "
+             f"request uncompressed: none there is the throughput full concurrency is worth on this machine.")
     png = DOCS.parent / "compression_throughput.png"
     plot(results, png)
     body += f"\n\n![throughput vs pool size]({png.name})"
