@@ -207,6 +207,26 @@ def test_settings_are_checked_before_any_worker_starts(tiny_dir):
         build_parser().parse_args(["serve", "--tensor-parallel-size", "0"])
 
 
+def test_settings_without_messages_for_workers_are_rejected_under_tp():
+    """Lossless mode (host tier, verification forwards) and sampling-entropy methods (InfoKV: entropies are
+    recorded by rank 0's sampler) have no worker messages yet: a TP engine rejects them naming the field, and
+    accepts the rest. Checked on the driver's rule alone (no processes)."""
+    from types import SimpleNamespace
+
+    from compression import KVCompressionConfig
+    from engine.distributed.driver import TPDriver
+
+    drv = SimpleNamespace(size=2, replicated=False, _heads=(2, 4, 1, 2))
+    with pytest.raises(ValueError, match="lossless") as err:
+        TPDriver.check_compression(drv, KVCompressionConfig("kara", lossless=True))
+    assert err.value.param == "kv_compression.lossless"
+    with pytest.raises(ValueError, match="entropies") as err:
+        TPDriver.check_compression(drv, KVCompressionConfig("infokv"))
+    assert err.value.param == "kv_compression.method"
+    for method in ("kara", "rkv", "snapkv", "centroid", "keydiff"):
+        TPDriver.check_compression(drv, KVCompressionConfig(method))
+
+
 def test_a_worker_whose_compactions_differ_from_rank0s_stops():
     """The run-time check behind check_worker_matches_rank0: each message carries rank 0's compactions since the
     previous one; a worker that made different ones (another length, other blocks) raises instead of going on."""
