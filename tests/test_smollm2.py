@@ -31,15 +31,15 @@ def test_chat_template_and_eos(smollm2_engine):
 
 
 def test_kara_with_ratio_one_is_lossless_over_many_rounds(smollm2_engine):
-    """r = 1 keeps every token, so compaction must be an exact no-op for the model: 640 new tokens with a
-    round every 112 steps give several rounds, and the greedy output equals the uncompressed run."""
+    """r = 1 keeps every token, so compaction must be an exact no-op for the model: 320 new tokens with a
+    round every 56 steps give several rounds, and the greedy output equals the uncompressed run."""
     eng = smollm2_engine
     prompts = [eng.encode_prompt(PROMPTS[2]), eng.encode_prompt(PROMPTS[0])]
-    kara = {"method": "kara", "ratio": 1.0, "window": 128, "buffer": 16, "compression_period": 112}
-    base = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=640, ignore_eos=True, kv_compression="none"),
+    kara = {"method": "kara", "ratio": 1.0, "window": 64, "buffer": 8, "compression_period": 56}
+    base = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=320, ignore_eos=True, kv_compression="none"),
                         use_tqdm=False)
     before = eng.stats().compression_rounds
-    comp = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=640, ignore_eos=True, kv_compression=kara),
+    comp = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=320, ignore_eos=True, kv_compression=kara),
                         use_tqdm=False)
     assert eng.stats().compression_rounds - before >= 4
     for a, b in zip(base, comp):
