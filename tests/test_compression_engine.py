@@ -7,6 +7,7 @@ import torch
 
 from compression import KVCompressionConfig
 from engine import SamplingParams
+from helpers_engine import run_with_random_aborts
 
 SMALL = dict(window=16, buffer=4, ratio=0.25, chunk_budget=2, compression_period=12)
 KARA = dict(SMALL, method="kara", chunk_max=4)
@@ -112,21 +113,8 @@ def test_ratio_one_keeps_outputs_identical(make_engine):
 
 def test_long_compressed_runs_with_preemption_and_aborts_keep_invariants(make_engine):
     eng = make_engine(kv_compression=KARA, num_kv_blocks=40, watermark=0, max_num_seqs=8)
-    rng = random.Random(0)
-    reqs = []
-    for i in range(10):
-        prompt = [rng.randrange(4, 120) for _ in range(rng.randrange(3, 20))]
-        req = eng.new_request(prompt, greedy(rng.randrange(20, 90)), f"r{i}")
-        eng.add_request(req)
-        reqs.append(req)
-    steps = 0
-    while eng.has_unfinished_requests():
-        eng.step()
-        steps += 1
-        eng.check_invariants()
-        if steps % 17 == 0:
-            victim = rng.choice(reqs)
-            eng.abort(victim.request_id)
+    # make_engine checks the invariants after every step
+    reqs = run_with_random_aborts(eng, random.Random(0), 10, (3, 20), (20, 90), abort_every=17)
     st = eng.stats()
     assert st.compression_rounds > 0 and st.num_preemptions > 0
     assert st.num_free_blocks == st.num_blocks

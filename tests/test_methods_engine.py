@@ -18,6 +18,7 @@ from compression.ams import AMSCompressor, ams_credit_update, ams_threshold_mass
 from compression.centroid import CentroidCompressor, centroid_clusters
 from compression.infokv import InfoKVCompressor, infokv_select
 from engine import SamplingParams
+from helpers_engine import run_with_random_aborts
 
 PERIODIC = dict(window=16, buffer=4, ratio=0.25, compression_period=12)  # n = 12, ⌈0.25 · 12⌉ = 3 kept
 THRESHOLD = dict(policy="threshold", threshold_max=32, threshold_target=20, observation_window=4)
@@ -70,19 +71,7 @@ def test_every_method_runs_with_preemptions_and_aborts(make_engine, method, poli
     # then be dropped), aborts every 13 steps, invariants after every step
     extra = {"preemption_mode": "recompute"} if policy == "threshold" else {}
     eng = make_engine(kv_compression=config(method, policy), num_kv_blocks=28, watermark=0, max_num_seqs=8, **extra)
-    rng = random.Random(hash(method) % 1000)
-    reqs = []
-    for i in range(8):
-        prompt = [rng.randrange(4, 120) for _ in range(rng.randrange(3, 16))]
-        req = eng.new_request(prompt, greedy(rng.randrange(20, 70)), f"r{i}")
-        eng.add_request(req)
-        reqs.append(req)
-    steps = 0
-    while eng.has_unfinished_requests():
-        eng.step()
-        steps += 1
-        if steps % 13 == 0:
-            eng.abort(rng.choice(reqs).request_id)
+    reqs = run_with_random_aborts(eng, random.Random(hash(method) % 1000), 8, (3, 16), (20, 70), abort_every=13)
     st = eng.stats()
     assert st.num_preemptions > 0
     assert st.compression_by_method[method]["rounds"] > 0 and st.compression_tokens_evicted > 0

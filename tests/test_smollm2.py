@@ -61,6 +61,6 @@ def test_lossless_kara_equals_uncompressed_output(smollm2_engine):
     eng.reset_stats()
     out = eng.generate(prompts, SamplingParams(kv_compression=kara, **params), use_tqdm=False)
     st = eng.stats()
-    assert st.compression_rounds >= 4 * 4 and st.lossless_verifications > 0 and st.lossless_drafted > 0
+    assert st.compression_rounds >= 4 and st.lossless_verifications > 0 and st.lossless_drafted > 0
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     eng.check_invariants()
