@@ -6,7 +6,7 @@ HOST ?= 0.0.0.0
 PORT ?= 8000
 MODEL ?= smollm2
 PYTEST_ARGS ?=
-# Test processes: one per core of the 2-core CI machine (each runs torch with 1 thread); idle processes take queued tests from busy ones.
+# Test processes: one per core of the 2-core CI machine (each runs torch with 1 thread); a file stays in one process.
 PYTEST_WORKERS ?= 2
 
 .PHONY: install serve test bench clean cpu-ext
@@ -41,7 +41,7 @@ serve: install
 	$(VENV)/bin/kvllm serve $(MODEL) --host $(HOST) --port $(PORT)
 
 test: install
-	$(PY) -m pytest tests -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: install
 	$(PY) -m bench.offline_throughput
