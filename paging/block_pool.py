@@ -10,6 +10,7 @@ Allocation prefers the free stack so cached prefixes survive as long as possible
 from __future__ import annotations
 
 from collections import OrderedDict
+from operator import itemgetter
 from typing import Hashable
 
 
@@ -19,8 +20,11 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        # Popped from the end: reversed so the first allocations get ids 0, 1, 2, ...
-        self._free = list(range(num_blocks - 1, -1, -1))
+        # Freed blocks, popped from the end; blocks [_fresh, num_blocks) were never handed out and are taken in id
+        # order after the stack runs dry (the same order as a stack initialised to all ids, lowest on top, but a
+        # host pool of ~10^5 blocks never materialises or checks its untouched tail).
+        self._free: list[int] = []
+        self._fresh = 0
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with ref count 0, LRU first
         self._hash_to_block: dict[Hashable, int] = {}
         self._block_to_hash: dict[int, Hashable] = {}
@@ -28,7 +32,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take now: free plus evictable cached ones."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + (self.num_blocks - self._fresh) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
@@ -50,6 +54,9 @@ class BlockPool:
         for _ in range(n):
             if self._free:
                 b = self._free.pop()
+            elif self._fresh < self.num_blocks:
+                b = self._fresh
+                self._fresh += 1
             else:  # evict the least recently freed cached block
                 b, _ = self._evictable.popitem(last=False)
                 del self._hash_to_block[self._block_to_hash.pop(b)]
@@ -107,17 +114,28 @@ class BlockPool:
         """How many of these cached blocks sit unreferenced (touching them takes them out of `num_free`)."""
         return sum(1 for b in blocks if self.ref_counts[b] == 0)
 
+    def num_references(self) -> int:
+        """Sum of all ref counts (blocks past the fresh mark hold none)."""
+        return sum(self.ref_counts[:self._fresh])
+
     def check_invariants(self) -> None:
-        free, evictable = self._free, self._evictable
-        assert len(set(free)) == len(free), "a block is on the free list twice"
+        """Exact state checks. Engine tests run them after every step and a host pool has ~10^5 blocks, so the
+        untouched tail is checked with one C-level count and everything else is proportional to touched blocks."""
+        free, evictable, rc, n, fresh = self._free, self._evictable, self.ref_counts, self.num_blocks, self._fresh
+        assert len(rc) == n and 0 <= fresh <= n
+        assert rc[fresh:].count(0) == n - fresh, "a never-allocated block has a reference"
+        touched = rc[:fresh]
+        assert not touched or min(touched) >= 0, f"block {touched.index(min(touched))} has ref count {min(touched)}"
         free_set = set(free)
-        assert not free_set & set(evictable), "a block is both free and evictable"
-        for b, rc in enumerate(self.ref_counts):
-            assert rc >= 0, f"block {b} has negative ref count {rc}"
-            idle = b in free_set or b in evictable
-            assert (rc == 0) == idle, f"block {b}: ref count {rc} but free/evictable={idle}"
-        assert all(b in self._block_to_hash for b in evictable), "an evictable block is not cached"
-        assert not free_set & set(self._block_to_hash), "a free-stack block is still cached"
+        assert len(free_set) == len(free), "a block is on the free list twice"
+        assert not free_set & evictable.keys(), "a block is both free and evictable"
+        idle = free + list(evictable)
+        assert not idle or (min(idle) >= 0 and max(idle) < fresh), "a free/evictable id was never allocated"
+        # idle blocks all have ref count 0, and there are as many zeros as idle blocks: zero <=> idle
+        assert not idle or not any(itemgetter(*idle)(rc) if len(idle) > 1 else (rc[idle[0]],)), (
+            "a free/evictable block has a nonzero ref count")
+        assert touched.count(0) == len(idle), f"{touched.count(0)} touched blocks have ref count 0, {len(idle)} idle"
+        assert evictable.keys() <= self._block_to_hash.keys(), "an evictable block is not cached"
+        assert not free_set & self._block_to_hash.keys(), "a free-stack block is still cached"
         assert len(self._hash_to_block) == len(self._block_to_hash)
         assert all(self._hash_to_block[k] == b for b, k in self._block_to_hash.items()), "hash map out of sync"
-        assert self.num_free + sum(1 for rc in self.ref_counts if rc > 0) == self.num_blocks

@@ -329,9 +329,7 @@ class KVCacheManager:
         """Pool invariants; every reference is held by exactly the tables that list the block; each running
         sequence holds exactly ceil(kv_len / block_size) blocks; waiting sequences hold none."""
         self.pool.check_invariants()
-        refs = Counter(b for seq in running for b in seq.block_table)
-        for b, rc in enumerate(self.pool.ref_counts):
-            assert refs.get(b, 0) == rc, f"block {b}: ref count {rc} but {refs.get(b, 0)} tables hold it"
+        _refs_match(Counter(b for seq in running for b in seq.block_table), self.pool, "block")
         for seq in running:
             assert len(seq.block_table) == -(-seq.kv_len // self.block_size), (
                 f"{seq.request_id}: {len(seq.block_table)} blocks for kv_len {seq.kv_len}")
@@ -354,5 +352,15 @@ class KVCacheManager:
                 assert seq.kv_len == 0, f"waiting {seq.request_id} has a KV length but no blocks"
         if self.host_pool is not None:
             self.host_pool.check_invariants()
-            for b, rc in enumerate(self.host_pool.ref_counts):
-                assert host_refs.get(b, 0) == rc, f"host block {b}: ref count {rc}, {host_refs.get(b, 0)} tables"
+            _refs_match(host_refs, self.host_pool, "host block")
+
+
+def _refs_match(refs: Counter, pool: BlockPool, what: str) -> None:
+    """Every block's ref count equals the number of tables listing it: checked for the listed blocks, and the
+    totals agree (ref counts are >= 0, checked by the pool), so no unlisted block has a reference."""
+    rc = pool.ref_counts
+    for b, n in refs.items():
+        assert 0 <= b < len(rc) and rc[b] == n, (
+            f"{what} {b}: ref count {rc[b] if 0 <= b < len(rc) else None} but {n} tables hold it")
+    total = pool.num_references()
+    assert total == sum(refs.values()), f"{what}s: {total} references counted but {sum(refs.values())} in tables"

@@ -75,3 +75,25 @@ def test_random_alloc_free_share_keeps_invariants(num_blocks, ops):
         pool.free(held)
     pool.check_invariants()
     assert pool.num_free == num_blocks
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda p: p.ref_counts.__setitem__(0, 0),               # used block with ref count 0, not free
+    lambda p: p.ref_counts.__setitem__(4, 1),               # free block with a reference
+    lambda p: p.ref_counts.__setitem__(7, 1),               # a never-allocated block with a reference
+    lambda p: p.ref_counts.__setitem__(1, -1),              # negative count
+    lambda p: p._free.append(p._free[-1]),                  # a block free twice
+    lambda p: p._free.append(0),                            # a used block also on the free list
+    lambda p: p._free.pop(),                                # a block lost: neither free nor used
+    lambda p: p._free.append(6),                            # a never-allocated block on the free stack
+    lambda p: p._evictable.__setitem__(p._free[0], None),   # free and evictable, not cached
+], ids=["used-zero", "free-referenced", "fresh-referenced", "negative", "free-twice", "used-and-free", "lost",
+        "fresh-on-stack", "evictable-uncached"])
+def test_check_invariants_catches_each_corruption(corrupt):
+    """The checks are set/count based (a host pool has ~10^5 blocks): each kind of bad state still fails them."""
+    pool = BlockPool(8)
+    pool.free(pool.allocate(6)[3:])  # blocks 0-2 used, 5 4 3 on the free stack, 6 7 never allocated
+    pool.check_invariants()
+    corrupt(pool)
+    with pytest.raises(AssertionError):
+        pool.check_invariants()

@@ -197,3 +197,23 @@ def test_random_operations_keep_invariants_and_cached_blocks_hold_their_tokens(o
         kv.free(s)
     kv.check_invariants([], waiting)
     assert kv.num_free_blocks == num_blocks
+
+
+@pytest.mark.parametrize("corrupt", ["extra-ref", "unlisted-ref", "missing-ref"])
+def test_manager_invariants_catch_a_ref_count_that_no_table_explains(corrupt):
+    kv = manager(10, prefix_caching=False)
+    a, b = seq(range(1, 9), "a"), seq(range(20, 26), "b")
+    prefill(kv, a)
+    prefill(kv, b)
+    kv.check_invariants([a, b])
+    if corrupt == "extra-ref":  # a block of a's table counted twice
+        kv.pool.ref_counts[a.block_table[0]] += 1
+        kv.pool.ref_counts[a.block_table[1]] -= 1  # totals still agree: the per-block check must catch it
+    elif corrupt == "unlisted-ref":  # a reference nobody holds, on a block no table lists
+        free = kv.pool.allocate(1)[0]
+        assert all(free not in s.block_table for s in (a, b))
+    else:  # b's blocks dropped from its table without freeing them
+        b.block_table.clear()
+        b.kv_len = 0
+    with pytest.raises(AssertionError):
+        kv.check_invariants([a, b])
