@@ -4,7 +4,10 @@
 the same size. Also measures the bare matmul floor of one decode step (every linear layer + LM head at
 the batch size, no attention or norms) so the engine's overhead over pure GEMM time is visible.
 
-    .venv/bin/python -m bench.offline_throughput [--num-prompts 64] [--input-len 256] [--output-len 256]
+    .venv/bin/python -m bench.offline_throughput [--threads 1,2] [--engines cpu,cpu+int8,torch]
+
+Every engine setting runs the same requests at every thread count in one process (ratios within one run are what
+to compare on a shared machine); the GEMM floors are the fp32 model's, so int8 rows are shown against fp32.
 """
 from __future__ import annotations
 
@@ -12,7 +15,11 @@ import argparse
 import sys
 import time
 
-import torch
+from engine.threads import configure_threads
+
+configure_threads(1)  # before torch loads: passive OpenMP waiting, so a 2-thread sweep does not spin-collapse
+
+import torch  # noqa: E402
 
 from bench.common import median, run_requests, text_prompts, write_section  # noqa: E402
 from engine import Engine, SamplingParams  # noqa: E402
@@ -34,16 +41,16 @@ def decode_step_time(engine: Engine, prompts, batch: int, steps: int = 8) -> flo
     prompt_tokens = sum(len(p) for p in prompts[:batch])
     prefill_steps = prompt_tokens // engine.config.max_num_batched_tokens + 2
     params = SamplingParams(temperature=0, max_tokens=prefill_steps + steps + 4, ignore_eos=True)
-    base = engine.stats().prompt_tokens_total
     for i, p in enumerate(prompts[:batch]):
         engine.add_request(p, params, f"probe-{i}")
     times = []
     while engine.has_unfinished_requests():
+        before = engine.stats().prompt_tokens_total
         t0 = time.perf_counter()
         engine.step()
         dt = time.perf_counter() - t0
-        st = engine.stats()  # every prompt prefilled and all sequences running: a pure decode step
-        if st.num_running == batch and st.prompt_tokens_total - base >= prompt_tokens:
+        st = engine.stats()  # all sequences running and no prompt token computed in this step: a pure decode step
+        if st.num_running == batch and st.num_waiting == 0 and st.prompt_tokens_total == before:
             times.append(dt)
     if not times:
         raise RuntimeError(f"never had {batch} sequences decoding together (KV pool too small?)")
@@ -121,6 +128,41 @@ def prefix_caching_rows(args) -> str:
         f"the system prompt is computed by the first requests admitted and taken from the cache by the rest.")
 
 
+ENGINES = {  # name -> Engine keyword arguments
+    "cpu": dict(attention_backend="cpu"),
+    "cpu+int8": dict(attention_backend="cpu", quantization="int8"),
+    "torch": dict(attention_backend="torch"),
+}
+
+
+def workload_floor(floors: dict, n: int, batch: int, input_len: int, output_len: int) -> float:
+    """Bare-GEMM seconds of n requests run `batch` at a time: their prefill GEMMs + output_len decode steps of
+    each wave (a lower bound for any engine: no attention, norms or sampling)."""
+    return floors["prefill_per_token"] * input_len * n + floors[batch] * output_len * -(-n // batch)
+
+
+def engine_rows(name: str, args, prompts_fn, floors: dict | None, batches: list[int]):
+    """Throughput at each max-running batch and the decode-step probe at ~input_len and ~input+output KV slots."""
+    engine = Engine(model="smollm2", dtype=args.dtype, device="cpu", max_num_seqs=64, max_num_batched_tokens=2048,
+                    max_model_len=2048, **ENGINES[name])
+    prompts = prompts_fn(engine.tokenizer, args.num_prompts, args.input_len)
+    if floors is None:  # the fp32 model's GEMMs (the first engine must not be quantized)
+        if "quantization" in ENGINES[name]:
+            raise SystemExit("list an fp32 engine first: the GEMM floors come from its weights")
+        floors = {b: matmul_floor(engine, b) for b in sorted({*batches, args.hf_batch, min(64, args.num_prompts)})}
+        chunk = 2048
+        floors["prefill_per_token"] = matmul_floor(engine, chunk, repeats=3, lm_head=False) / chunk
+    kvllm_run(engine, prompts[:4], 8, 4)  # warm-up
+    runs = {b: kvllm_run(engine, prompts, args.output_len, b) for b in batches}
+    probe = min(64, len(prompts))
+    step_start = decode_step_time(engine, prompts, probe)
+    long_prompts = prompts_fn(engine.tokenizer, probe, args.input_len + args.output_len - 16)
+    step_end = decode_step_time(engine, long_prompts, probe)
+    tokenizer = engine.tokenizer
+    del engine
+    return floors, runs, (probe, step_start, step_end), tokenizer, prompts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefix-only", action="store_true", help="only the prefix-caching rows")
@@ -129,17 +171,21 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--batches", default="32,64", help="max running sequences, comma-separated")
+    ap.add_argument("--engines", default="cpu,cpu+int8", help=f"comma-separated, from {sorted(ENGINES)}; the "
+                    "first must be fp32 (its weights give the GEMM floors)")
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--hf-num-prompts", type=int, default=32, help="HF runs this many prompts (a rate is measured)")
     ap.add_argument("--dtype", default="auto", help="auto = bf16 only where the CPU has fast bf16 (AMX)")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--threads", default="1", help="torch threads, comma-separated (e.g. 1,2): each count runs "
+                    "every engine and HF")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args()
     torch.manual_seed(0)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    thread_counts = [int(x) for x in str(args.threads).split(",")]
     if args.prefix_only:
+        configure_threads(thread_counts[0])
         body = prefix_caching_rows(args)
         print(body)
         if not args.no_write:
@@ -147,57 +193,61 @@ def main() -> None:
                           + " ".join(sys.argv[1:]), body)
         return
 
-    engine = Engine(model="smollm2", dtype=args.dtype, device="cpu", max_num_seqs=64, max_num_batched_tokens=2048,
-                    max_model_len=2048)
-    prompts = text_prompts(engine.tokenizer, args.num_prompts, args.input_len)
-    kvllm_run(engine, prompts[:4], 8, 4)  # warm-up
-    rows = []
-    tps32, _ = kvllm_run(engine, prompts, args.output_len, 32)
-    tps64, _ = kvllm_run(engine, prompts, args.output_len, 64)
-    probe = min(64, len(prompts))
-    # the decode step at the start of the workload's decode (KV ~ input_len) and near its end (~ input + output)
-    step_start = decode_step_time(engine, prompts, probe)
-    long_prompts = text_prompts(engine.tokenizer, probe, args.input_len + args.output_len - 16)
-    step_end = decode_step_time(engine, long_prompts, probe)
-    floor64 = matmul_floor(engine, probe)
-    # Lower bound on kvllm's time for HF's requests at HF's batch size: the bare GEMMs of their prefill plus
-    # output_len decode steps at that batch. HF's time over it is the most kvllm / HF can be on this machine.
-    chunk = 2048
-    prefill_floor = matmul_floor(engine, chunk, repeats=3, lm_head=False) * args.input_len / chunk  # s per prompt
-    decode_floor = matmul_floor(engine, args.hf_batch)  # s per decode step at HF's batch
-    hf_tps = None
-    if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
+    names = args.engines.split(",")
+    for n in names:
+        if n not in ENGINES:
+            raise SystemExit(f"--engines: unknown {n!r}, choose from {sorted(ENGINES)}")
+    batches = [int(b) for b in args.batches.split(",")]
+    t_start = time.perf_counter()
+    tput = ["| threads | engine | max running | output tok/s | vs HF (same threads) | workload time | its GEMM floor "
+            "| time / floor |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    steps = ["| threads | engine | decode step at 64 running | KV slots per sequence | bare fp32 GEMM floor | step "
+             "| step / floor |", "|---:|---|---|---:|---:|---:|---:|"]
+    hf_rows = ["| threads | HF output tok/s (batch {b}, {n} prompts) | HF time / its GEMM floor |".format(
+        b=args.hf_batch, n=args.hf_num_prompts), "|---:|---:|---:|"]
+    for threads in thread_counts:
+        configure_threads(threads)
+        floors = None  # per thread count: the GEMMs scale with threads too
+        results = {}
+        for name in names:
+            floors, runs, probe, tokenizer, prompts = engine_rows(name, args, text_prompts, floors, batches)
+            results[name] = (runs, probe)
+        hf_tps = None
+        if not args.skip_hf:
+            from transformers import AutoModelForCausalLM
 
-        from engine.loader import smollm2_gguf_path
+            from engine.loader import smollm2_gguf_path
 
-        gguf = smollm2_gguf_path()
-        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=engine.dtype).eval()
-        hf_run(hf, prompts[:2], 4, 2)  # warm-up
-        hf_tps = hf_run(hf, prompts[:args.hf_num_prompts], args.output_len, args.hf_batch)
-    rows.append(("kvllm, max 32 running", f"{tps32:.1f}", f"{tps32 / hf_tps:.2f}x" if hf_tps else "-"))
-    rows.append(("kvllm, max 64 running", f"{tps64:.1f}", f"{tps64 / hf_tps:.2f}x" if hf_tps else "-"))
-    if hf_tps:
-        rows.append((f"HF transformers generate, static batch {args.hf_batch}", f"{hf_tps:.1f}", "1.00x"))
-    table = ["| system | output tok/s | vs HF |", "|---|---:|---:|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    table += ["", f"| decode step at {probe} running (median) | KV slots per sequence | bare GEMM floor of that step "
-                  f"| ratio |", "|---|---:|---:|---:|",
-              f"| start of decode | ~{args.input_len} | {floor64 * 1e3:.1f} ms | {step_start / floor64:.2f}x "
-              f"({step_start * 1e3:.1f} ms) |",
-              f"| end of decode | ~{args.input_len + args.output_len} | {floor64 * 1e3:.1f} ms | {step_end / floor64:.2f}x "
-              f"({step_end * 1e3:.1f} ms) |"]
-    if hf_tps:
-        n, b = args.hf_num_prompts, args.hf_batch
-        hf_time = n * args.output_len / hf_tps
-        floor_time = prefill_floor * n + decode_floor * args.output_len * -(-n // b)
-        table += ["", f"| HF time for its {n} requests | GEMM floor: their prefill + {args.output_len} decode steps at "
-                  f"batch {b} | ceiling on kvllm / HF at batch {b} |", "|---:|---:|---:|",
-                  f"| {hf_time:.1f} s | {prefill_floor * n:.1f} s + {decode_floor * args.output_len * -(-n // b):.1f} s "
-                  f"| {hf_time / floor_time:.2f}x |"]
-    body = "\n".join(table)
-    body += (f"\n\nSmolLM2-135M-Instruct (Q4_1 GGUF dequantized to {engine.dtype}), {args.num_prompts} requests x "
-             f"{args.input_len}-token real-text prompts, {args.output_len} new tokens, greedy, ignore_eos; "
-             f"{torch.get_num_threads()} CPU thread(s); HF runs {args.hf_num_prompts} of the prompts.")
+            gguf = smollm2_gguf_path()
+            hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+            hf_run(hf, prompts[:2], 4, 2)  # warm-up
+            hf_tps = hf_run(hf, prompts[:args.hf_num_prompts], args.output_len, args.hf_batch)
+            n = args.hf_num_prompts
+            hf_time = n * args.output_len / hf_tps
+            hf_floor = workload_floor(floors, n, args.hf_batch, args.input_len, args.output_len)
+            hf_rows.append(f"| {threads} | {hf_tps:.1f} | {hf_time / hf_floor:.2f}x ({hf_time:.0f} s / "
+                           f"{hf_floor:.0f} s) |")
+            del hf
+        for name in names:
+            runs, (probe, s0, s1) = results[name]
+            for b, (tps, wall) in runs.items():
+                fl = workload_floor(floors, args.num_prompts, b, args.input_len, args.output_len)
+                vs = f"{tps / hf_tps:.2f}x" if hf_tps else "-"
+                tput.append(f"| {threads} | {name} | {b} | {tps:.1f} | {vs} | {wall:.1f} s | {fl:.1f} s "
+                            f"| {wall / fl:.2f}x |")
+            for label, slots, s in (("start of decode", args.input_len, s0),
+                                    ("end of decode", args.input_len + args.output_len, s1)):
+                steps.append(f"| {threads} | {name} | {label} | ~{slots} | {floors[probe] * 1e3:.1f} ms "
+                             f"| {s * 1e3:.1f} ms | {s / floors[probe]:.2f}x |")
+    body = "\n".join(tput + [""] + steps + ([""] + hf_rows if not args.skip_hf else []))
+    body += (f"\n\nSmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32 unless the engine is +int8), "
+             f"{args.num_prompts} requests x {args.input_len}-token real-text prompts, {args.output_len} new tokens, "
+             f"greedy, ignore_eos, at most 'max running' in the engine at once; HF generate runs "
+             f"{args.hf_num_prompts} of the prompts in static batches of {args.hf_batch}. Engines: "
+             + "; ".join(f"{n} = {ENGINES[n]}" for n in names) + ". GEMM floor: the bare fp32 GEMMs of the same work "
+             f"at the same threads (prefill GEMMs of every prompt, in 2048-token chunks, + one decode step of GEMMs "
+             f"and LM head per output token of each wave of 'max running' requests); the decode-step floor is one "
+             f"such step at 64 rows. OpenMP waits passively. {time.perf_counter() - t_start:.0f} s.")
     print(body)
     if not args.no_write:
         cmd = "python -m bench.offline_throughput " + " ".join(sys.argv[1:])
