@@ -132,6 +132,8 @@ ENGINES = {  # name -> Engine keyword arguments
     "cpu": dict(attention_backend="cpu"),
     "cpu+int8": dict(attention_backend="cpu", quantization="int8"),
     "torch": dict(attention_backend="torch"),
+    "cpu+fp16kv": dict(attention_backend="cpu", kv_cache_dtype="float16"),
+    "cpu+int8+fp16kv": dict(attention_backend="cpu", quantization="int8", kv_cache_dtype="float16"),
 }
 
 
@@ -153,7 +155,7 @@ def engine_rows(name: str, args, prompts_fn, floors: dict | None, batches: list[
         chunk = 2048
         floors["prefill_per_token"] = matmul_floor(engine, chunk, repeats=3, lm_head=False) / chunk
     kvllm_run(engine, prompts[:4], 8, 4)  # warm-up
-    runs = {b: kvllm_run(engine, prompts, args.output_len, b) for b in batches}
+    runs = {b: kvllm_run(engine, prompts, args.output_len, b) for b in batches} if not args.probe_only else {}
     probe = min(64, len(prompts))
     step_start = decode_step_time(engine, prompts, probe)
     long_prompts = prompts_fn(engine.tokenizer, probe, args.input_len + args.output_len - 16)
@@ -180,6 +182,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--threads", default="1", help="torch threads, comma-separated (e.g. 1,2): each count runs "
                     "every engine and HF")
+    ap.add_argument("--probe-only", action="store_true", help="only the decode-step probes (no workload, no HF), "
+                    "written to their own section")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -213,7 +217,7 @@ def main() -> None:
             floors, runs, probe, tokenizer, prompts = engine_rows(name, args, text_prompts, floors, batches)
             results[name] = (runs, probe)
         hf_tps = None
-        if not args.skip_hf:
+        if not args.skip_hf and not args.probe_only:
             from transformers import AutoModelForCausalLM
 
             from engine.loader import smollm2_gguf_path
@@ -239,7 +243,10 @@ def main() -> None:
                                     ("end of decode", args.input_len + args.output_len, s1)):
                 steps.append(f"| {threads} | {name} | {label} | ~{slots} | {floors[probe] * 1e3:.1f} ms "
                              f"| {s * 1e3:.1f} ms | {s / floors[probe]:.2f}x |")
-    body = "\n".join(tput + [""] + steps + ([""] + hf_rows if not args.skip_hf else []))
+    if args.probe_only:
+        tput = []
+    body = "\n".join(([*tput, ""] if tput else []) + steps
+                     + ([""] + hf_rows if not (args.skip_hf or args.probe_only) else []))
     body += (f"\n\nSmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32 unless the engine is +int8), "
              f"{args.num_prompts} requests x {args.input_len}-token real-text prompts, {args.output_len} new tokens, "
              f"greedy, ignore_eos, at most 'max running' in the engine at once; HF generate runs "
@@ -248,10 +255,19 @@ def main() -> None:
              f"at the same threads (prefill GEMMs of every prompt, in 2048-token chunks, + one decode step of GEMMs "
              f"and LM head per output token of each wave of 'max running' requests); the decode-step floor is one "
              f"such step at 64 rows. OpenMP waits passively. {time.perf_counter() - t_start:.0f} s.")
+    if args.probe_only:
+        body = "\n".join(steps) + (
+            f"\n\nSmolLM2-135M-Instruct; the median pure decode step (every sequence running, no prompt token in the "
+            f"step) with {min(64, args.num_prompts)} sequences of ~{args.input_len} and ~"
+            f"{args.input_len + args.output_len} KV slots, against the bare fp32 GEMMs (+ LM head) of one step at "
+            f"that batch and thread count. Engines: " + "; ".join(f"{n} = {ENGINES[n]}" for n in names)
+            + f". OpenMP waits passively. {time.perf_counter() - t_start:.0f} s.")
     print(body)
     if not args.no_write:
         cmd = "python -m bench.offline_throughput " + " ".join(sys.argv[1:])
-        write_section("Offline throughput (kvllm vs HF transformers)", cmd.strip(), body)
+        title = ("Decode step vs its GEMM floor: KV cache dtype and int8 weights" if args.probe_only
+                 else "Offline throughput (kvllm vs HF transformers)")
+        write_section(title, cmd.strip(), body)
 
 
 if __name__ == "__main__":

@@ -92,10 +92,12 @@ inline void store_row(void* base, DType t, int64_t idx, int64_t d, float mul, co
   }
 }
 
-// Per-thread scratch (one per part, reused over its items).
+// Per-thread scratch (one per part, reused over its items). E: the element type the compute kernels read K/V rows
+// in (the cache's own type for AVX2, which converts in registers; float for the portable kernels).
+template <typename E>
 struct Scratch {
   std::vector<float> qs, o, s, m, l, kbuf, vbuf;
-  std::vector<const float*> kp, vp;
+  std::vector<const E*> kp, vp;
   std::vector<int64_t> off;  // element offsets of the current chunk's K rows (KV head 0)
   std::vector<int32_t> nv;             // valid (causal) slots of each query token's rows in the current chunk
   Scratch(int64_t rows, int64_t d)
@@ -104,14 +106,15 @@ struct Scratch {
 };
 
 // The query rows of one KV head within an item, for one chunk of slots: row r attends chunk slots [0, nv[r]).
+template <typename E>
 struct Rows {
   const float* q;  // [n, d], pre-scaled
   float* o;        // [n, d] running output (unnormalised)
   float* s;        // [n, kChunk] scores, then probabilities (0 past nv)
   const int32_t* nv;
   int64_t n, d;
-  const float* const* kp;  // the chunk's K rows
-  const float* const* vp;  // and V rows
+  const E* const* kp;  // the chunk's K rows
+  const E* const* vp;  // and V rows
 };
 
 // Offsets of the K rows (KV head 0) of slots [c0, c1) of a sequence, walking its pages without divisions
@@ -147,13 +150,14 @@ inline void stream_chunk(const Problem& P, const int64_t* off, int64_t n, int64_
   }
 }
 
-// Row pointers of the chunk's slots for KV head h; half-precision caches are converted into scratch (K::to_float).
-template <typename K, typename T>
-inline void chunk_rows(const Problem& P, const int64_t* off, int64_t n, int64_t h, Scratch& sc) {
+// Row pointers of the chunk's slots for KV head h: into the cache when the kernels read its type (E == T), else
+// (portable kernels on a half-precision cache) converted into scratch.
+template <typename K, typename T, typename E>
+inline void chunk_rows(const Problem& P, const int64_t* off, int64_t n, int64_t h, Scratch<E>& sc) {
   const T* cache = static_cast<const T*>(P.cache);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t row = off[j] + h * P.d;
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<T, E>) {
       sc.kp[j] = cache + row;
       sc.vp[j] = cache + row + P.v_offset;
     } else {
@@ -173,8 +177,10 @@ struct Portable {
   static void to_float(const T* src, float* dst, int64_t d) {
     for (int64_t i = 0; i < d; ++i) dst[i] = to_f(src[i]);
   }
+  template <typename T>
+  using Elem = float;  // K/V rows reach these kernels as float (half caches are converted in scratch)
   // s[r][j] = q[r] . k[j] for j < nv[r]
-  static void scores(const Rows& R) {
+  static void scores(const Rows<float>& R) {
     for (int64_t r = 0; r < R.n; ++r) {
       const float* q = R.q + r * R.d;
       for (int64_t j = 0; j < R.nv[r]; ++j) {
@@ -199,7 +205,7 @@ struct Portable {
     for (int64_t i = 0; i < d; ++i) o[i] *= c;
   }
   // o[r] += sum_{j < nv[r]} p[r][j] v[j]
-  static void accumulate(const Rows& R) {
+  static void accumulate(const Rows<float>& R) {
     for (int64_t r = 0; r < R.n; ++r) {
       float* o = R.o + r * R.d;
       for (int64_t j = 0; j < R.nv[r]; ++j) {
@@ -242,15 +248,26 @@ inline __m256 exp2_avx(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// 8 consecutive K/V elements as floats: half-precision caches are widened in registers (bf16 is the high half of a
+// float; fp16 through F16C), so a half cache is read at half the bytes with no conversion pass through memory.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
 // MB query rows x NK keys of dot products, D/8 FMAs each; the NK=4 sums are reduced with two hadd levels.
-template <int MB, int NK>
-inline void dots(const float* const* q, const float* const* k, int64_t d, float* const* out) {
+template <int MB, int NK, typename E>
+inline void dots(const float* const* q, const E* const* k, int64_t d, float* const* out) {
   __m256 acc[MB][NK];
   for (int r = 0; r < MB; ++r)
     for (int j = 0; j < NK; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 8) {
     __m256 kv[NK];
-    for (int j = 0; j < NK; ++j) kv[j] = _mm256_loadu_ps(k[j] + i);
+    for (int j = 0; j < NK; ++j) kv[j] = load8(k[j] + i);
     for (int r = 0; r < MB; ++r) {
       __m256 qv = _mm256_loadu_ps(q[r] + i);
       for (int j = 0; j < NK; ++j) acc[r][j] = _mm256_fmadd_ps(qv, kv[j], acc[r][j]);
@@ -268,8 +285,8 @@ inline void dots(const float* const* q, const float* const* k, int64_t d, float*
   }
 }
 
-template <int MB>
-inline void score_block(const Rows& R, int64_t r0, int64_t jmax) {
+template <int MB, typename E>
+inline void score_block(const Rows<E>& R, int64_t r0, int64_t jmax) {
   const float* q[MB];
   for (int r = 0; r < MB; ++r) q[r] = R.q + (r0 + r) * R.d;
   int64_t j = 0;
@@ -286,15 +303,15 @@ inline void score_block(const Rows& R, int64_t r0, int64_t jmax) {
 }
 
 // o[r] (rows r0..r0+MB) += sum_{j < jmax} p[r][j] v[j] over D columns [c, c + 8*NV); p is 0 past a row's nv.
-template <int MB, int NV>
-inline void pv_block(const Rows& R, int64_t r0, int64_t jmax, int64_t c) {
+template <int MB, int NV, typename E>
+inline void pv_block(const Rows<E>& R, int64_t r0, int64_t jmax, int64_t c) {
   __m256 acc[MB][NV];
   for (int r = 0; r < MB; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_loadu_ps(R.o + (r0 + r) * R.d + c + 8 * v);
   for (int64_t j = 0; j < jmax; ++j) {
-    const float* vr = R.vp[j] + c;
+    const E* vr = R.vp[j] + c;
     __m256 vv[NV];
-    for (int v = 0; v < NV; ++v) vv[v] = _mm256_loadu_ps(vr + 8 * v);
+    for (int v = 0; v < NV; ++v) vv[v] = load8(vr + 8 * v);
     for (int r = 0; r < MB; ++r) {
       __m256 w = _mm256_broadcast_ss(R.s + (r0 + r) * kChunk + j);
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(w, vv[v], acc[r][v]);
@@ -304,35 +321,27 @@ inline void pv_block(const Rows& R, int64_t r0, int64_t jmax, int64_t c) {
     for (int v = 0; v < NV; ++v) _mm256_storeu_ps(R.o + (r0 + r) * R.d + c + 8 * v, acc[r][v]);
 }
 
-template <int MB>
-inline void pv_rows(const Rows& R, int64_t r0, int64_t jmax) {
+template <int MB, typename E>
+inline void pv_rows(const Rows<E>& R, int64_t r0, int64_t jmax) {
   int64_t c = 0;
   for (; c + 16 <= R.d; c += 16) pv_block<MB, 2>(R, r0, jmax, c);
   for (; c < R.d; c += 8) pv_block<MB, 1>(R, r0, jmax, c);
 }
 
-inline int64_t block_jmax(const Rows& R, int64_t r0, int64_t mb) {
+template <typename E>
+inline int64_t block_jmax(const Rows<E>& R, int64_t r0, int64_t mb) {
   int64_t j = 0;
   for (int64_t r = r0; r < r0 + mb; ++r) j = std::max<int64_t>(j, R.nv[r]);
   return j;
 }
 
 struct Avx2 {
-  // half-precision rows to float, 8 at a time: bf16 is the high half of a float; fp16 through F16C
-  static void to_float(const c10::BFloat16* src, float* dst, int64_t d) {
-    for (int64_t i = 0; i < d; i += 8) {
-      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-    }
-  }
-  static void to_float(const c10::Half* src, float* dst, int64_t d) {
-    for (int64_t i = 0; i < d; i += 8)
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  }
-  static void to_float(const float* src, float* dst, int64_t d) { std::copy(src, src + d, dst); }
+  template <typename T>
+  using Elem = T;  // reads the cache's own type (load8 widens in registers)
   // Rows go in blocks of 3 (a GQA group of 3, or 3 rows of a prefill tile): each K/V vector loaded from L1
   // feeds 3 FMAs. Within a block, rows with a shorter causal prefix compute (and later zero) a few extra scores.
-  static void scores(const Rows& R) {
+  template <typename E>
+  static void scores(const Rows<E>& R) {
     int64_t r = 0;
     for (; r + 3 <= R.n; r += 3) {
       int64_t jm = block_jmax(R, r, 3);
@@ -370,7 +379,8 @@ struct Avx2 {
     __m256 cv = _mm256_set1_ps(c);
     for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), cv));
   }
-  static void accumulate(const Rows& R) {
+  template <typename E>
+  static void accumulate(const Rows<E>& R) {
     int64_t r = 0;
     for (; r + 3 <= R.n; r += 3) {
       int64_t jm = block_jmax(R, r, 3);
@@ -388,8 +398,8 @@ struct Avx2 {
 // Item rows are ordered (KV head, query token, head in group). An item normally covers all KV heads: the K (and
 // V) rows of all heads of a slot are contiguous in a block ([block_size, Hkv, D]), so each chunk of slots is
 // first streamed in address order (stream_chunk), then computed head by head from cache.
-template <typename K, typename T>
-void run_item(const Problem& P, const Item& it, Scratch& sc) {
+template <typename K, typename T, typename E = typename K::template Elem<T>>
+void run_item(const Problem& P, const Item& it, Scratch<E>& sc) {
   const int64_t d = P.d, g = P.g;
   const int64_t q0 = P.qo[it.seq], q_len = P.qo[it.seq + 1] - q0, kv_len = P.kv_lens[it.seq];
   const int64_t rows_h = (it.i1 - it.i0) * g, rows = rows_h * (it.h1 - it.h0);
@@ -412,8 +422,8 @@ void run_item(const Problem& P, const Item& it, Scratch& sc) {
       sc.nv[rr] = static_cast<int32_t>(std::clamp<int64_t>(first + rr / g - c0 + 1, 0, n));
     for (int64_t hh = it.h0; hh < it.h1; ++hh) {
       const int64_t rb = (hh - it.h0) * rows_h;
-      chunk_rows<K, T>(P, sc.off.data(), n, hh, sc);
-      Rows R{sc.qs.data() + rb * d, sc.o.data() + rb * d, sc.s.data() + rb * kChunk, sc.nv.data(), rows_h, d,
+      chunk_rows<K, T, E>(P, sc.off.data(), n, hh, sc);
+      Rows<E> R{sc.qs.data() + rb * d, sc.o.data() + rb * d, sc.s.data() + rb * kChunk, sc.nv.data(), rows_h, d,
              sc.kp.data(), sc.vp.data()};
       K::scores(R);
       for (int64_t rr = 0; rr < rows_h; ++rr) {
@@ -445,7 +455,7 @@ template <typename K, typename T>
 void run_items(const Problem& P, const std::vector<Item>& items, const std::vector<int64_t>& bounds) {
   const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    Scratch sc(kTileTokens * P.g * P.hkv, P.d);
+    Scratch<typename K::template Elem<T>> sc(kTileTokens * P.g * P.hkv, P.d);
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t i = bounds[p]; i < bounds[p + 1]; ++i) run_item<K, T>(P, items[i], sc);
   });

@@ -73,6 +73,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     quantization: str | None = None  # "int8": weight-only int8 linear layers (CPU)
+    kv_cache_dtype: str | torch.dtype = "auto"  # dtype the KV pages are stored in ("auto": the model dtype)
     # memory pressure (engine/scheduler.py)
     scheduling_policy: str = "fcfs"
     admission_optimism: float = 1.0
@@ -102,6 +103,23 @@ class EngineConfig:
         for name in ("swap_space", "lossless_host_memory"):
             if getattr(self, name) not in (0, "0"):
                 parse_memory(getattr(self, name))  # a clear error now
+        if self.kv_cache_dtype != "auto" and not (
+                self.kv_cache_dtype in _DTYPES.values() if isinstance(self.kv_cache_dtype, torch.dtype)
+                else self.kv_cache_dtype in _DTYPES):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.kv_cache_dtype!r}")
+
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """The KV pages' dtype. Attention, compression scorers and sampling still compute in the model dtype: a
+        half-precision cache halves the bytes a decode step reads (what bounds CPU decode at long contexts) and
+        doubles the blocks a memory budget holds. CPU only for now (the CUDA path plans FlashInfer with one dtype)."""
+        kv = model_dtype if self.kv_cache_dtype == "auto" else parse_dtype(self.kv_cache_dtype)
+        if kv != model_dtype:
+            if device.type != "cpu":
+                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} differs from the model dtype; only 'auto' "
+                                 f"is supported on {device.type}")
+            if self.tensor_parallel_size > 1:
+                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: use 'auto' with tensor_parallel_size > 1")
+        return kv
 
     def resolve_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -47,6 +47,7 @@ class EngineCore:
     def _build(self, config: EngineConfig) -> None:
         from engine.loader import load_model
 
+        self.kv_dtype = config.resolve_kv_cache_dtype(self.dtype, self.device)
         if config.tensor_parallel_size > 1:
             from engine.distributed.driver import DriverKVCacheManager, TPDriver
 
@@ -66,15 +67,15 @@ class EngineCore:
                 from engine.models.quant import quantize_int8
 
                 quantize_int8(self.model)
-            num_blocks = config.resolve_num_blocks(self.model_config, self.dtype, self.device)
-            host_blocks = config.host_blocks(self.model_config, self.dtype)
+            num_blocks = config.resolve_num_blocks(self.model_config, self.kv_dtype, self.device)
+            host_blocks = config.host_blocks(self.model_config, self.kv_dtype)
             kv_manager = KVCacheManager
         cfg = self.model_config
         max_model_len = config.resolve_max_model_len(cfg.max_position_embeddings)
         self.max_model_len = config.fit_max_model_len(max_model_len, num_blocks)
         self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, self.model.num_local_kv_heads,
-                                cfg.head_dim, self.dtype, self.device)
-        self.kv = kv_manager(self.kv_cache, config.enable_prefix_caching, host_blocks)
+                                cfg.head_dim, self.kv_dtype, self.device)
+        self.kv = kv_manager(self.kv_cache, config.enable_prefix_caching, host_blocks, compute_dtype=self.dtype)
         self.attn = get_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, cfg, self.kv_cache, self.attn, self.device, self.dtype)
         self.compression = CompressionStage(config.kv_compression, self.device.type)

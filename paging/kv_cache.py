@@ -38,7 +38,7 @@ class KVCache:
     def capacity_line(self, max_model_len: int) -> str:
         concurrency = self.num_tokens / max_model_len
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
-                f"({self.nbytes / 2**20:.1f} MiB); max concurrency for {max_model_len}-token requests: "
+                f"({self.nbytes / 2**20:.1f} MiB, {str(self.data.dtype).removeprefix('torch.')}); max concurrency for {max_model_len}-token requests: "
                 f"{concurrency:.2f}x")
 
 

@@ -26,8 +26,11 @@ if TYPE_CHECKING:
 
 
 class KVCacheManager:
-    def __init__(self, kv_cache: KVCache, enable_prefix_caching: bool = True, host_blocks: int = 0):
+    def __init__(self, kv_cache: KVCache, enable_prefix_caching: bool = True, host_blocks: int = 0,
+                 compute_dtype: torch.dtype | None = None):
         self.kv_cache = kv_cache
+        # gathered keys / values (compression scorers) come back in this dtype; None: the cache's own
+        self.compute_dtype = compute_dtype
         self.block_size = kv_cache.block_size
         self.pool = BlockPool(kv_cache.num_blocks)
         # Swap space (vLLM's swap preemption): a second block store in host memory (pinned on CUDA so copies can
@@ -281,7 +284,8 @@ class KVCacheManager:
         slots = torch.arange(start, start + length)
         table = torch.tensor(seq.block_table, dtype=torch.long)
         dev = kv.data.device
-        return kv.data[:, table[slots // bs].to(dev), which, (slots % bs).to(dev)].transpose(1, 2)
+        out = kv.data[:, table[slots // bs].to(dev), which, (slots % bs).to(dev)].transpose(1, 2)
+        return out if self.compute_dtype is None else out.to(self.compute_dtype)
 
     def gather_keys(self, seq: "Sequence", start: int, length: int) -> torch.Tensor:
         """Keys of KV slots [start, start + length), all layers: [L, Hkv, length, D]."""

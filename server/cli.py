@@ -71,6 +71,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="auto|cpu|torch|flashinfer (auto: FlashInfer on CUDA, the C++ kernel on CPU, else torch)")
     g.add_argument("--threads", type=_nonneg_int, default=None,
                    help="CPU intra-op threads (default: every core, with a passive OpenMP wait policy)")
+    g.add_argument("--kv-cache-dtype", default=None,
+                   help="auto|float16|bfloat16|float32: dtype of the KV pages (default auto = the model dtype; "
+                        "CPU only otherwise; attention still computes in the model dtype)")
     g.add_argument("--quantization", choices=["int8"], default=None,
                    help="weight-only int8 linear layers on CPU (off by default: greedy output may differ)")
     g.add_argument("--seed", type=int, default=None)
@@ -156,7 +159,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     for name in ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
                  "max_num_seqs", "max_num_batched_tokens", "attention_backend", "seed", "enable_prefix_caching",
-                 "quantization",
+                 "quantization", "kv_cache_dtype",
                  "scheduling_policy", "admission_optimism", "projected_output_len", "preemption_mode", "swap_space",
                  "lossless_host_memory",
                  "compress_before_preempt", "tensor_parallel_size"):

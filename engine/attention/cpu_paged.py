@@ -6,8 +6,9 @@ step's CSR page table straight to the kernel in csrc/kvllm_cpu.cpp (built by eng
 which walks each sequence's blocks in place with an online softmax, all sequences (decode and prefill, mixed)
 in one call, parallel over (sequence, KV head, query tile) on torch's intra-op threads.
 
-float32, bfloat16 and float16 run in the kernel (half types are upcast per chunk, math in float32); any other
-dtype or a non-CPU tensor goes to TorchPagedBackend.
+float32, bfloat16 and float16 run in the kernel, in any mix of query and cache dtype (half K/V are widened in
+registers, math in float32: `kv_cache_dtype='float16'` halves the bytes a decode step reads); any other dtype or a
+non-CPU tensor goes to TorchPagedBackend.
 """
 from __future__ import annotations
 
