@@ -10,7 +10,6 @@ Allocation prefers the free stack so cached prefixes survive as long as possible
 from __future__ import annotations
 
 from collections import OrderedDict
-from operator import itemgetter
 from typing import Hashable
 
 
@@ -132,8 +131,7 @@ class BlockPool:
         idle = free + list(evictable)
         assert not idle or (min(idle) >= 0 and max(idle) < fresh), "a free/evictable id was never allocated"
         # idle blocks all have ref count 0, and there are as many zeros as idle blocks: zero <=> idle
-        assert not idle or not any(itemgetter(*idle)(rc) if len(idle) > 1 else (rc[idle[0]],)), (
-            "a free/evictable block has a nonzero ref count")
+        assert not any(rc[b] for b in idle), "a free/evictable block has a nonzero ref count"
         assert touched.count(0) == len(idle), f"{touched.count(0)} touched blocks have ref count 0, {len(idle)} idle"
         assert evictable.keys() <= self._block_to_hash.keys(), "an evictable block is not cached"
         assert not free_set & self._block_to_hash.keys(), "a free-stack block is still cached"
