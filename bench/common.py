@@ -61,6 +61,20 @@ def median(xs):
     return statistics.median(xs)
 
 
+def timed(fn, repeats: int, warmup: bool = True) -> list[float]:
+    """Wall seconds of `repeats` calls of fn (after one untimed call unless warmup=False)."""
+    import time
+
+    if warmup:
+        fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def machine() -> str:
     import torch
 

@@ -31,7 +31,7 @@ THREADS = configure_threads(1, wait_policy=None if "--policy-probe" in sys.argv 
 
 import torch  # noqa: E402
 
-from bench.common import median, write_section  # noqa: E402
+from bench.common import median, timed, write_section  # noqa: E402
 from engine.attention import build_metadata, get_backend  # noqa: E402
 
 HQ, HKV, D, BS = 9, 3, 64, 16
@@ -51,17 +51,6 @@ def decode_meta(num_seqs: int, slots: int, num_blocks: int, seed: int = 0):
         tables.append([free.pop() for _ in range(-(-n // BS))])
         kv_lens.append(n)
     return build_metadata(tables, [1] * num_seqs, kv_lens, BS)
-
-
-def timed(fn, repeats: int, warmup: bool = True) -> list[float]:
-    if warmup:
-        fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 # ---- attention per layer call ------------------------------------------------------------------------------
@@ -134,7 +123,8 @@ def flex_rows(slots: int, repeats: int) -> list[str]:
 def load_smollm2():
     from engine import Engine
 
-    eng = Engine(model="smollm2", dtype="float32", device="cpu", num_kv_blocks=128, max_model_len=2048)
+    eng = Engine(model="smollm2", dtype="float32", device="cpu", num_kv_blocks=128, max_model_len=2048,
+                 gemm_backend="torch")  # dense nn.Linear weights: the GEMM floor reads them
     model, cfg = eng.model, eng.model_config
     eng.shutdown()
     return model, cfg
@@ -235,7 +225,8 @@ def agreement_rows(max_tokens: int) -> list[str]:
     from engine.models.quant import quantize_int8
 
     torch.set_num_threads(1)
-    eng = Engine(model="smollm2", dtype="float32", device="cpu", num_kv_blocks=256, max_model_len=2048)
+    eng = Engine(model="smollm2", dtype="float32", device="cpu", num_kv_blocks=256, max_model_len=2048,
+                 gemm_backend="torch")  # quantize_int8 swaps nn.Linear layers
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [eng.encode_prompt(p) for p in PROMPTS]
     ref = [o.outputs[0].token_ids for o in eng.generate(ids, params, use_tqdm=False)]

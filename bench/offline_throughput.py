@@ -21,7 +21,7 @@ configure_threads(1)  # before torch loads: passive OpenMP waiting, so a 2-threa
 
 import torch  # noqa: E402
 
-from bench.common import median, run_requests, text_prompts, write_section  # noqa: E402
+from bench.common import median, run_requests, text_prompts, timed, write_section  # noqa: E402
 from engine import Engine, SamplingParams  # noqa: E402
 
 
@@ -71,9 +71,12 @@ def hf_run(model, prompts, output_len: int, batch: int) -> float:
 def matmul_floor(engine: Engine, batch: int, repeats: int = 10, lm_head: bool = True) -> float:
     """Seconds for the bare GEMMs (model dtype) of one decode step: x[batch, in] @ W.T for every linear + LM head
     (without the LM head: the GEMMs of a prefill chunk of `batch` tokens, which needs logits only at its end)."""
+    from engine.models.packed import PackedLinear
+
     vocab = engine.model_config.vocab_size
-    weights = [m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear)
-               and (lm_head or m.weight.shape[0] != vocab)]
+    # torch's own GEMMs on dense weights (a packed layer's .weight unpacks it), whatever the engine runs
+    weights = [m.weight.contiguous() for m in engine.model.modules()
+               if isinstance(m, (torch.nn.Linear, PackedLinear)) and (lm_head or m.out_features != vocab)]
     hidden = engine.model_config.hidden_size
     xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=engine.dtype) for w in weights}
     xh = torch.randn(batch, hidden, dtype=engine.dtype)
@@ -88,13 +91,28 @@ def matmul_floor(engine: Engine, batch: int, repeats: int = 10, lm_head: bool = 
             torch.nn.functional.linear(xh, lm_weight)
 
     with torch.inference_mode():
-        once()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            once()
-            times.append(time.perf_counter() - t0)
-    return median(times)
+        return median(timed(once, repeats))
+
+
+def own_gemm_step(engine: Engine, batch: int, repeats: int = 10) -> float:
+    """Seconds for one decode step's linear layers + LM head at `batch` rows as this engine runs them (its
+    gemm_backend / quantization): the floor of the step with the engine's own GEMMs."""
+    from engine.models.packed import PackedLinear
+    from engine.models.quant import Int8Linear
+
+    vocab = engine.model_config.vocab_size
+    layers = [m for m in engine.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, Int8Linear))
+              and m.out_features != vocab]
+    xs = {m.in_features: torch.randn(batch, m.in_features, dtype=engine.dtype) for m in layers}
+    xh = torch.randn(batch, engine.model_config.hidden_size, dtype=engine.dtype)
+
+    def once():
+        for m in layers:
+            m(xs[m.in_features])
+        engine.model.compute_logits(xh)
+
+    with torch.inference_mode():
+        return median(timed(once, repeats))
 
 
 def prefix_caching_rows(args) -> str:
@@ -129,11 +147,12 @@ def prefix_caching_rows(args) -> str:
 
 
 ENGINES = {  # name -> Engine keyword arguments
-    "cpu": dict(attention_backend="cpu"),
+    "cpu": dict(attention_backend="cpu"),  # gemm_backend auto: the packed float32 GEMM on AVX2
     "cpu+int8": dict(attention_backend="cpu", quantization="int8"),
     "torch": dict(attention_backend="torch"),
     "cpu+fp16kv": dict(attention_backend="cpu", kv_cache_dtype="float16"),
     "cpu+int8+fp16kv": dict(attention_backend="cpu", quantization="int8", kv_cache_dtype="float16"),
+    "cpu+torchgemm": dict(attention_backend="cpu", gemm_backend="torch"),  # the CPU kernel with MKL's GEMMs
 }
 
 
@@ -160,9 +179,10 @@ def engine_rows(name: str, args, prompts_fn, floors: dict | None, batches: list[
     step_start = decode_step_time(engine, prompts, probe)
     long_prompts = prompts_fn(engine.tokenizer, probe, args.input_len + args.output_len - 16)
     step_end = decode_step_time(engine, long_prompts, probe)
+    own = own_gemm_step(engine, probe)
     tokenizer = engine.tokenizer
     del engine
-    return floors, runs, (probe, step_start, step_end), tokenizer, prompts
+    return floors, runs, (probe, step_start, step_end, own), tokenizer, prompts
 
 
 def main() -> None:
@@ -205,8 +225,9 @@ def main() -> None:
     t_start = time.perf_counter()
     tput = ["| threads | engine | max running | output tok/s | vs HF (same threads) | workload time | its GEMM floor "
             "| time / floor |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
-    steps = ["| threads | engine | decode step at 64 running | KV slots per sequence | bare fp32 GEMM floor | step "
-             "| step / floor |", "|---:|---|---|---:|---:|---:|---:|"]
+    steps = ["| threads | engine | decode step at 64 running | KV slots per sequence | bare fp32 GEMM floor (torch) "
+             "| step | step / floor | the engine's own GEMMs | step / own GEMMs |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     hf_rows = ["| threads | HF output tok/s (batch {b}, {n} prompts) | HF time / its GEMM floor |".format(
         b=args.hf_batch, n=args.hf_num_prompts), "|---:|---:|---:|"]
     for threads in thread_counts:
@@ -233,7 +254,7 @@ def main() -> None:
                            f"{hf_floor:.0f} s) |")
             del hf
         for name in names:
-            runs, (probe, s0, s1) = results[name]
+            runs, (probe, s0, s1, own) = results[name]
             for b, (tps, wall) in runs.items():
                 fl = workload_floor(floors, args.num_prompts, b, args.input_len, args.output_len)
                 vs = f"{tps / hf_tps:.2f}x" if hf_tps else "-"
@@ -242,7 +263,7 @@ def main() -> None:
             for label, slots, s in (("start of decode", args.input_len, s0),
                                     ("end of decode", args.input_len + args.output_len, s1)):
                 steps.append(f"| {threads} | {name} | {label} | ~{slots} | {floors[probe] * 1e3:.1f} ms "
-                             f"| {s * 1e3:.1f} ms | {s / floors[probe]:.2f}x |")
+                             f"| {s * 1e3:.1f} ms | {s / floors[probe]:.2f}x | {own * 1e3:.1f} ms | {s / own:.2f}x |")
     if args.probe_only:
         tput = []
     body = "\n".join(([*tput, ""] if tput else []) + steps
@@ -251,10 +272,11 @@ def main() -> None:
              f"{args.num_prompts} requests x {args.input_len}-token real-text prompts, {args.output_len} new tokens, "
              f"greedy, ignore_eos, at most 'max running' in the engine at once; HF generate runs "
              f"{args.hf_num_prompts} of the prompts in static batches of {args.hf_batch}. Engines: "
-             + "; ".join(f"{n} = {ENGINES[n]}" for n in names) + ". GEMM floor: the bare fp32 GEMMs of the same work "
+             + "; ".join(f"{n} = {ENGINES[n]}" for n in names) + ". GEMM floor: torch's bare fp32 GEMMs (F.linear on the dense weights) of the same work "
              f"at the same threads (prefill GEMMs of every prompt, in 2048-token chunks, + one decode step of GEMMs "
              f"and LM head per output token of each wave of 'max running' requests); the decode-step floor is one "
-             f"such step at 64 rows. OpenMP waits passively. {time.perf_counter() - t_start:.0f} s.")
+             f"such step at 64 rows; 'the engine's own GEMMs': that step's linear layers and LM head through the "
+             f"engine's own modules (packed, int8 or F.linear). OpenMP waits passively. {time.perf_counter() - t_start:.0f} s.")
     if args.probe_only:
         body = "\n".join(steps) + (
             f"\n\nSmolLM2-135M-Instruct; the median pure decode step (every sequence running, no prompt token in the "

@@ -27,6 +27,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -726,16 +727,22 @@ void int8_panel_avx2(const Int8Problem& I, int64_t p, float* panel) {
   int8_rows(I, FloatWeights{panel, I.k}, p);
 }
 
+void packed_panel_avx2(const Int8Problem& I, const float* w, int64_t p) {
+  int8_rows(I, FloatWeights{w + p * I.k * kPanel, I.k}, p);
+}
+
 #pragma GCC pop_options
 #endif  // KVLLM_X86
 
-void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& scale,
-                 const std::optional<at::Tensor>& bias, at::Tensor& out, bool force_portable) {
+// Shape checks shared by the packed linears: x [M, K] float32, w_packed [N/16, K, 16] of `wtype`, out [M, N]
+// float32, bias [N] float32 or none. Returns {M, K, N, panels}.
+std::array<int64_t, 4> check_linear(const at::Tensor& x, const at::Tensor& w_packed, at::ScalarType wtype,
+                                    const char* wname, const std::optional<at::Tensor>& bias, const at::Tensor& out) {
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
                         x.size(1) > 0, "x must be a contiguous float32 [M, K] CPU tensor with K > 0");
-  TORCH_CHECK_VALUE(w_packed.device().is_cpu() && w_packed.scalar_type() == at::kChar && w_packed.dim() == 3 &&
+  TORCH_CHECK_VALUE(w_packed.device().is_cpu() && w_packed.scalar_type() == wtype && w_packed.dim() == 3 &&
                         w_packed.size(2) == kPanel && w_packed.is_contiguous(),
-                    "w_packed must be a contiguous int8 [N/16, K, 16] CPU tensor");
+                    "w_packed must be a contiguous ", wname, " [N/16, K, 16] CPU tensor");
   const int64_t m = x.size(0), k = x.size(1), panels = w_packed.size(0);
   TORCH_CHECK_VALUE(w_packed.size(1) == k, "w_packed has K=", w_packed.size(1), ", x has K=", k);
   TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == m &&
@@ -743,14 +750,20 @@ void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tens
   const int64_t n = out.size(1);
   TORCH_CHECK_VALUE(n > (panels - 1) * kPanel && n <= panels * kPanel, "out has N=", n, " columns, w_packed holds ",
                     panels, " panels of ", kPanel);
-  TORCH_CHECK_VALUE(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
-                        scale.dim() == 3 && scale.size(0) == panels && scale.size(2) == kPanel && scale.size(1) > 0 &&
-                        k % scale.size(1) == 0,
-                    "scale must be a contiguous float32 [N/16, groups, 16] tensor with groups dividing K=", k);
   if (bias) {
     TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                           bias->numel() == n, "bias must be a contiguous float32 tensor of N=", n, " entries");
   }
+  return {m, k, n, panels};
+}
+
+void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& scale,
+                 const std::optional<at::Tensor>& bias, at::Tensor& out, bool force_portable) {
+  const auto [m, k, n, panels] = check_linear(x, w_packed, at::kChar, "int8", bias, out);
+  TORCH_CHECK_VALUE(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                        scale.dim() == 3 && scale.size(0) == panels && scale.size(2) == kPanel && scale.size(1) > 0 &&
+                        k % scale.size(1) == 0,
+                    "scale must be a contiguous float32 [N/16, groups, 16] tensor with groups dividing K=", k);
   Int8Problem I{x.data_ptr<float>(), w_packed.data_ptr<int8_t>(), scale.data_ptr<float>(),
                 bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, k, n, k / scale.size(1)};
   if (m == 0) return;
@@ -770,6 +783,33 @@ void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tens
   });
 }
 
+// y = x @ W^T + bias with W packed by engine/models/packed.py into panels of 16 output channels, [N/16, K, 16]
+// float32: the int8 path's 6 x 16 micro-kernel on float panels read in place (no conversion). On AVX2-only CPUs
+// MKL's sgemm runs the decode shapes (M <= 64 rows, K <= 1536) below this tile's rate (docs/benchmarks.md).
+constexpr int64_t kRowBlock = 96;
+
+void packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const std::optional<at::Tensor>& bias,
+                   at::Tensor& out) {
+  const auto [m, k, n, panels] = check_linear(x, w_packed, at::kFloat, "float32", bias, out);
+  TORCH_CHECK_VALUE(cpu_has_avx2(), "packed_linear needs AVX2 + FMA");
+  Int8Problem I{x.data_ptr<float>(), nullptr, nullptr, bias ? bias->data_ptr<float>() : nullptr,
+                out.data_ptr<float>(), m, k, n, k};
+  if (m == 0) return;
+  const float* w = w_packed.data_ptr<float>();
+#ifdef KVLLM_X86
+  // Row blocks of kRowBlock: a block's x rows stay in L2 while every panel streams past them.
+  for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+    Int8Problem B = I;
+    B.x = I.x + r0 * k;
+    B.out = I.out + r0 * n;
+    B.m = std::min<int64_t>(kRowBlock, m - r0);
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) packed_panel_avx2(B, w, p);
+    });
+  }
+#endif
+}
+
 bool has_avx2() { return cpu_has_avx2(); }
 
 }  // namespace
@@ -780,6 +820,7 @@ TORCH_LIBRARY(kvllm_cpu, m) {
         &paged_attention);
   m.def("int8_linear(Tensor x, Tensor w_packed, Tensor scale, Tensor? bias, Tensor(a!) out, "
         "bool force_portable=False) -> ()", &int8_linear);
+  m.def("packed_linear(Tensor x, Tensor w_packed, Tensor? bias, Tensor(a!) out) -> ()", &packed_linear);
   m.def("has_avx2() -> bool", &has_avx2);
 }
 

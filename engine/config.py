@@ -56,6 +56,9 @@ def _positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+GEMM_BACKENDS = ("auto", "cpu", "torch")
+
+
 @dataclass
 class EngineConfig:
     model: str = "smollm2"
@@ -69,6 +72,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_compression: Any = None
     attention_backend: str = "auto"
+    gemm_backend: str = "auto"  # linear layers: "cpu" (packed float32 panels, C++), "torch", or "auto"
     watermark: float = 0.01
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -98,8 +102,13 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
+        if self.gemm_backend not in GEMM_BACKENDS:
+            raise ValueError(f"gemm_backend must be one of {GEMM_BACKENDS}, got {self.gemm_backend!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        if self.gemm_backend == "cpu" and self.quantization is not None:
+            raise ValueError(f"gemm_backend='cpu' packs float32 weights; quantization={self.quantization!r} brings "
+                             f"its own kernel (use gemm_backend 'auto')")
         for name in ("swap_space", "lossless_host_memory"):
             if getattr(self, name) not in (0, "0"):
                 parse_memory(getattr(self, name))  # a clear error now

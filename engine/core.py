@@ -54,6 +54,9 @@ class EngineCore:
             if config.quantization is not None:
                 raise ValueError(f"quantization={config.quantization!r} does not shard: use it with "
                                  f"tensor_parallel_size 1")
+            if config.gemm_backend == "cpu":
+                raise ValueError("gemm_backend='cpu' does not shard: use 'auto' or 'torch' with "
+                                 "tensor_parallel_size > 1")
             self.driver = TPDriver(config.tensor_parallel_size, self.device)
             self.device = self.driver.device
             self.model, self.model_config, self.tokenizer, num_blocks, host_blocks = self.driver.start(config,
@@ -67,6 +70,7 @@ class EngineCore:
                 from engine.models.quant import quantize_int8
 
                 quantize_int8(self.model)
+            self._pack_linears(config)
             num_blocks = config.resolve_num_blocks(self.model_config, self.kv_dtype, self.device)
             host_blocks = config.host_blocks(self.model_config, self.kv_dtype)
             kv_manager = KVCacheManager
@@ -97,6 +101,17 @@ class EngineCore:
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.counters = EngineStats(num_blocks=num_blocks)
+
+    def _pack_linears(self, config: EngineConfig) -> None:
+        """gemm_backend: 'cpu' packs the float32 linear layers for the C++ GEMM (engine/models/packed.py); 'auto'
+        does so where it can run (CPU with AVX2, float32, unsharded, not quantized), else keeps torch's."""
+        if config.gemm_backend == "torch" or config.quantization is not None:
+            return
+        from engine.models.packed import can_pack, pack_linears
+
+        if config.gemm_backend == "auto" and can_pack(self.model) is not None:
+            return
+        pack_linears(self.model)
 
     # -- inputs -------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:

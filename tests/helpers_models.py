@@ -124,6 +124,45 @@ def new_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads
     return list(kv.unbind(0))
 
 
+def tiny_decoder_pair(arch: str, transform):
+    """A tiny random DecoderLM (weights N(0, 0.1)) and a copy of it passed through `transform` (e.g. a weight
+    repacking or quantization): (config, model, transformed)."""
+    from torch import nn
+
+    from engine.models.config import ModelConfig
+    from engine.models.llama import DecoderLM
+
+    c = ModelConfig.from_hf(tiny_hf_config(arch))
+    torch.manual_seed(0)
+    model = DecoderLM(c).eval()
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.1)
+    other = DecoderLM(c).eval()
+    other.load_state_dict(model.state_dict())
+    return c, model, transform(other)
+
+
+def mixed_batch_outputs(c, models):
+    """Each model's logits and recomputed queries over the same mixed batch (a 6-token prefill on top of 0 cached
+    tokens and a 7-token one), through the CPU paged backend: [(logits, queries)] per model."""
+    from engine.attention.base import build_metadata
+    from engine.attention.cpu_paged import CpuPagedBackend
+
+    meta = build_metadata([[3, 5], [0, 6]], [6, 7], [6, 7], 4)
+    meta_r = build_metadata([[3, 5], [0, 6]], [6, 7], [6, 7], 4, write=False)
+    ids = torch.randint(0, c.vocab_size, (13,))
+    pos = torch.tensor(list(range(6)) + list(range(7)))
+    be = CpuPagedBackend()
+    out = []
+    for model in models:
+        cache = new_kv_cache(c.num_layers, 8, 4, c.num_kv_heads, c.head_dim)
+        be.plan(meta, c.num_q_heads, c.num_kv_heads, c.head_dim, torch.float32)
+        logits = model.compute_logits(model(ids, pos, cache, be, meta))
+        be.plan(meta_r, c.num_q_heads, c.num_kv_heads, c.head_dim, torch.float32)
+        out.append((logits, model.recompute_queries(ids, pos, cache, be, meta_r)))
+    return out
+
+
 def tiny_hf_config(arch: str, **overrides):
     """A tiny GQA config (4 q heads / 2 kv heads, head_dim 16) for 'llama', 'qwen2' or 'qwen3'; `overrides`
     replace any of the shared fields (e.g. num_key_value_heads=1)."""

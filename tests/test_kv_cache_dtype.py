@@ -32,12 +32,15 @@ def reference_logprobs(hf_model, kv_dtype, n):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("gemm", ["torch", "cpu"])
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
-def test_half_kv_cache_matches_a_float64_reference_with_rounded_kv(make_engine, tiny_hf_llama, kv_dtype, backend):
+def test_half_kv_cache_matches_a_float64_reference_with_rounded_kv(make_engine, tiny_hf_llama, kv_dtype, backend,
+                                                                     gemm):
     """Tokens and log-probs equal a float64 decoder that rounds every K/V to the cache dtype, and are measurably
     further from the same decoder without rounding (so the comparison sees the rounding)."""
     n = 24
-    eng = make_engine(kv_cache_dtype=str(kv_dtype).removeprefix("torch."), attention_backend=backend)
+    eng = make_engine(kv_cache_dtype=str(kv_dtype).removeprefix("torch."), attention_backend=backend,
+                      gemm_backend=gemm)
     assert eng.core.kv_cache.data.dtype == kv_dtype and eng.core.dtype == torch.float32
     out = eng.generate([PROMPT], greedy(n, logprobs=0), use_tqdm=False)[0].outputs[0]
     got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
@@ -46,8 +49,13 @@ def test_half_kv_cache_matches_a_float64_reference_with_rounded_kv(make_engine, 
     err_rounded = max(abs(a - b) for a, b in zip(got, rounded))
     _, exact = reference_logprobs(tiny_hf_llama, None, n)
     err_exact = max(abs(a - b) for a, b in zip(got, exact))
-    assert err_rounded < 2e-5  # measured ~1e-6
-    assert err_exact > 20 * err_rounded  # measured 4e-4 (float16) and 3e-3 (bfloat16)
+    # A K/V element whose float32 value lies within float32 error of a half-precision rounding boundary rounds the
+    # other way than the float64 reference's, a one-ulp (~5e-4 relative, float16) difference. Which elements do
+    # depends on the GEMMs' summation order: measured ~1e-6 with torch's (MKL), 4e-5 with the packed GEMM
+    # (engine/models/packed.py), whose float32 error is as small (test_packed_linear.py) but lands elsewhere.
+    bound, ratio = (2e-5, 20) if gemm == "torch" else (1e-4, 5)
+    assert err_rounded < bound
+    assert err_exact > ratio * err_rounded  # measured 4e-4 (float16) and 3e-3 (bfloat16)
 
 
 def test_half_cache_holds_twice_the_blocks_of_the_same_memory(make_engine):

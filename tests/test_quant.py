@@ -99,45 +99,21 @@ def test_int8_linear_bad_inputs_name_the_field():
 
 
 def _tiny_models():
-    from helpers_models import tiny_hf_config
+    from helpers_models import tiny_decoder_pair
 
-    from engine.models.config import ModelConfig
-    from engine.models.llama import DecoderLM
-
-    c = ModelConfig.from_hf(tiny_hf_config("qwen2"))  # tied embeddings, q/k/v bias
-    torch.manual_seed(0)
-    model = DecoderLM(c).eval()
-    for p in model.parameters():
-        nn.init.normal_(p, std=0.1)
-    quant = DecoderLM(c).eval()
-    quant.load_state_dict(model.state_dict())
-    return c, model, quantize_int8(quant)
+    return tiny_decoder_pair("qwen2", quantize_int8)  # tied embeddings, q/k/v bias
 
 
 def test_quantized_tiny_model_tracks_float32():
-    from helpers_models import new_kv_cache
-
-    from engine.attention.base import build_metadata
-    from engine.attention.cpu_paged import CpuPagedBackend
+    from helpers_models import mixed_batch_outputs
 
     c, model, quant = _tiny_models()
     linears = [m for m in quant.modules() if isinstance(m, nn.Linear)]
     assert not linears and sum(isinstance(m, Int8Linear) for m in quant.modules()) == 4 * c.num_layers + 1
-    caches = [new_kv_cache(c.num_layers, 8, 4, c.num_kv_heads, c.head_dim) for _ in range(2)]
-    meta = build_metadata([[3, 5], [0, 6]], [6, 7], [6, 7], 4)
-    ids = torch.randint(0, c.vocab_size, (13,))
-    pos = torch.tensor(list(range(6)) + list(range(7)))
-    be = CpuPagedBackend()
-    be.plan(meta, c.num_q_heads, c.num_kv_heads, c.head_dim, torch.float32)
-    ref = model.compute_logits(model(ids, pos, caches[0], be, meta))
-    out = quant.compute_logits(quant(ids, pos, caches[1], be, meta))
+    (ref, qf), (out, qr) = mixed_batch_outputs(c, [model, quant])
     assert ((out - ref).norm() / ref.norm()).item() < 5e-2
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.7
     # query recomputation reads qkv_proj.weight directly: the dequantised weight keeps it working
-    meta_r = build_metadata([[3, 5], [0, 6]], [6, 7], [6, 7], 4, write=False)
-    be.plan(meta_r, c.num_q_heads, c.num_kv_heads, c.head_dim, torch.float32)
-    qr = quant.recompute_queries(ids, pos, caches[1], be, meta_r)
-    qf = model.recompute_queries(ids, pos, caches[0], be, meta_r)
     assert ((qr - qf).norm() / qf.norm()).item() < 5e-2
 
 

@@ -118,19 +118,27 @@ def quantize_int8(model: nn.Module, lm_head: bool = True, group_size: int | None
 
     group_size_for(1, group_size)  # validate
     cpu_ext.load()  # fail before touching the model
+    from engine.models.packed import PackedLinear
+
     with torch.no_grad():
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 # the TP layers subclass nn.Linear; unsharded (tp size 1) they are plain linears
                 unsharded = getattr(getattr(child, "tp", None), "size", 1) == 1
-                if isinstance(child, nn.Linear) and unsharded and child is not getattr(model, "lm_head", None):
+                # a packed float32 layer (engine/models/packed.py) is quantized from its dense weight alike
+                if (isinstance(child, (nn.Linear, PackedLinear)) and unsharded
+                        and child is not getattr(model, "lm_head", None)):
                     setattr(parent, name, Int8Linear(child, group_size))
         if lm_head:
             head = getattr(model, "lm_head", None)
-            weight = head.weight if head is not None else model.embed_tokens.weight
+            packed = getattr(model, "packed_lm_head", None)  # engine/models/packed.py: holds the head's weight
+            weight = (head.weight if head is not None else packed.weight if packed is not None
+                      else model.embed_tokens.weight)
             src = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
             src.weight = nn.Parameter(weight.detach(), requires_grad=False)
             model.int8_lm_head = Int8Linear(src, group_size)
+            if hasattr(model, "packed_lm_head"):
+                del model.packed_lm_head
             if head is not None:
                 model.lm_head = None  # its float32 weight is no longer used
             model.compute_logits = types.MethodType(_int8_compute_logits, model)

@@ -1,0 +1,113 @@
+"""Packed float32 linear layers for the CPU path: `pack_linears(model)` swaps a loaded DecoderLM's linear layers
+(and the LM head) for PackedLinear, whose weight is stored in panels of 16 output channels, [N/16, K, 16], and
+multiplied by the AVX2 micro-kernel of csrc/kvllm_cpu.cpp (torch.ops.kvllm_cpu.packed_linear).
+
+Why: on AVX2-only CPUs MKL's sgemm runs the decode shapes of a small model (M <= 64 rows, K = hidden or
+intermediate size) well below the core's FMA peak, and these GEMMs are most of a decode step. The same
+6 x 16 register tile as the int8 kernel (engine/models/quant.py), on float panels read in place, is faster at
+every batch size measured (docs/benchmarks.md, "Packed float32 GEMM"). Same dtype, same math, a different
+summation order: results differ from F.linear by float32 rounding only (tests/test_packed_linear.py).
+
+Engine use: EngineConfig.gemm_backend ('auto' packs on a CPU with AVX2 when the model is float32, unsharded and
+not quantized). The embedding keeps its float32 table; a tied LM head gets a packed copy of it.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+PANEL = 16  # output channels per panel (the kernel's register tile width)
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] float32 -> [ceil(N/16), K, 16] (the 16 channels of a panel adjacent per input column), N padded with
+    zero rows to a multiple of 16."""
+    if w.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(w.shape)}")
+    n, k = w.shape
+    w = w.detach().float()
+    pad = -n % PANEL
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, k)])
+    return w.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+class PackedLinear(nn.Module):
+    """Drop-in for a float32 nn.Linear (y = x W^T + b) on the CPU, weight in 16-channel panels."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        from engine.attention import cpu_ext
+
+        self._ops = cpu_ext.load()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("w_packed", pack_weight(linear.weight))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
+                                                                  requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense weight [out, in] (a new tensor: for code that reads `.weight` directly, such as
+        Attention.queries during query recomputation and the GEMM floor of bench/; the forward never builds it)."""
+        return self.w_packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        self._ops.packed_linear(x2, self.w_packed, self.bias, out)
+        return out.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _packed_compute_logits(self, hidden: torch.Tensor, all_ranks: bool = False) -> torch.Tensor:
+    return self.packed_lm_head(hidden.float())
+
+
+def can_pack(model: nn.Module) -> str | None:
+    """None when pack_linears(model) can run here, else why not (one line)."""
+    from engine.attention import cpu_ext
+
+    param = next(model.parameters())
+    if param.device.type != "cpu":
+        return f"the model is on {param.device}"
+    if param.dtype != torch.float32:
+        return f"the model is {param.dtype}, the kernel is float32"
+    if getattr(getattr(model, "tp", None), "size", 1) != 1:
+        return "tensor_parallel_size > 1 (the layers are sharded)"
+    try:
+        ops = cpu_ext.load()
+    except cpu_ext.ExtensionUnavailable as exc:
+        return f"the C++ extension is unavailable ({exc})"
+    if not ops.has_avx2():
+        return "the CPU lacks AVX2 + FMA"
+    return None
+
+
+def pack_linears(model: nn.Module) -> nn.Module:
+    """Replace every unsharded nn.Linear of a loaded float32 DecoderLM (attention and MLP projections) with
+    PackedLinear and give the LM head a packed weight, in place; returns the model. Raises ValueError (naming
+    gemm_backend) where it cannot run: see can_pack."""
+    why = can_pack(model)
+    if why is not None:
+        raise ValueError(f"gemm_backend='cpu' cannot run: {why}")
+    with torch.no_grad():
+        head = getattr(model, "lm_head", None)
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear) and child is not head:
+                    setattr(parent, name, PackedLinear(child))
+        weight = head.weight if head is not None else model.embed_tokens.weight
+        src = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        src.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        model.packed_lm_head = PackedLinear(src)
+        if head is not None:
+            model.lm_head = None  # its dense weight is no longer used
+        model.compute_logits = types.MethodType(_packed_compute_logits, model)
+    return model

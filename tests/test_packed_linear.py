@@ -1,0 +1,157 @@
+"""Packed float32 linear layers (engine/models/packed.py, csrc/kvllm_cpu.cpp packed_linear): the kernel against a
+float64 reference, the model swap against the unpacked model, and the engine's gemm_backend setting."""
+import pytest
+import torch
+from torch import nn
+
+from engine.attention import cpu_ext
+
+if not cpu_ext.is_available():
+    if cpu_ext.compiler() is None:
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built here", allow_module_level=True)
+    cpu_ext.load()  # a compiler exists, so the build must work: raise its error instead of skipping
+if not cpu_ext.load().has_avx2():
+    pytest.skip("packed_linear is AVX2 only", allow_module_level=True)
+
+from engine.models.packed import PackedLinear, can_pack, pack_linears, pack_weight  # noqa: E402
+
+
+def _check_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """float32 accumulation error bound: a few ulps of sum_k |x_k w_k| per output (the float64 reference)."""
+    w, b = w.detach(), None if b is None else b.detach()
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    bound = (x.double().abs() @ w.double().abs().T) * 1e-6 * x.shape[1] ** 0.5 + 1e-6
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert ((out.double() - ref).abs() <= bound).all(), float(((out.double() - ref).abs() / bound).max())
+
+
+def test_pack_weight_layout():
+    w = torch.randn(35, 9)
+    p = pack_weight(w)
+    assert p.shape == (3, 9, 16) and p.is_contiguous()
+    for n in range(48):
+        for k in range(9):
+            assert float(p[n // 16, k, n % 16]) == (float(w[n, k]) if n < 35 else 0.0)
+    with pytest.raises(ValueError, match="2-D"):
+        pack_weight(torch.randn(3, 4, 5))
+
+
+# m: 0 rows, the micro-kernel's remainders (1..5, 7, 13), whole tiles (6, 96) and more than one 96-row block
+@pytest.mark.parametrize("m", [0, 1, 2, 5, 6, 7, 13, 64, 96, 131, 250])
+@pytest.mark.parametrize("n,k,bias", [(16, 8, True), (35, 64, False), (5, 33, True), (200, 576, False)])
+def test_packed_linear_matches_float64(m, n, k, bias):
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g))
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    layer = PackedLinear(lin)
+    assert torch.equal(layer.weight, lin.weight)  # the packing round-trips exactly
+    x = torch.randn(m, k, generator=g)
+    _check_close(layer(x), x, lin.weight, lin.bias if bias else None)
+
+
+def test_the_bound_catches_a_misplaced_channel():
+    """The check above fails a kernel that mixes up two output channels of a panel (a packing slip)."""
+    lin = nn.Linear(64, 32, bias=False)
+    layer = PackedLinear(lin)
+    layer.w_packed[0, :, [3, 4]] = layer.w_packed[0, :, [4, 3]]
+    x = torch.randn(7, 64)
+    with pytest.raises(AssertionError):
+        _check_close(layer(x), x, lin.weight, None)
+
+
+def test_packed_linear_keeps_leading_dims_and_takes_strided_input():
+    lin = nn.Linear(16, 24)
+    layer = PackedLinear(lin)
+    x = torch.randn(2, 3, 16)
+    assert layer(x).shape == (2, 3, 24)
+    xt = torch.randn(16, 5).T  # not contiguous
+    _check_close(layer(xt), xt, lin.weight, lin.bias)
+
+
+def test_packed_linear_bad_inputs_name_the_field():
+    layer = PackedLinear(nn.Linear(16, 20))
+    ops = cpu_ext.load()
+    x = torch.randn(3, 16)
+    with pytest.raises(ValueError, match="x must be"):
+        ops.packed_linear(x.double(), layer.w_packed, None, torch.empty(3, 20))
+    with pytest.raises(ValueError, match="w_packed has K=16, x has K=8"):
+        ops.packed_linear(torch.randn(3, 8), layer.w_packed, None, torch.empty(3, 20))
+    with pytest.raises(ValueError, match="out has N=40"):
+        ops.packed_linear(x, layer.w_packed, None, torch.empty(3, 40))
+    with pytest.raises(ValueError, match="bias must be"):
+        ops.packed_linear(x, layer.w_packed, torch.zeros(3), torch.empty(3, 20))
+    with pytest.raises(ValueError, match="w_packed must be"):
+        ops.packed_linear(x, layer.w_packed.half(), None, torch.empty(3, 20))
+
+
+def _tiny(arch: str):
+    from helpers_models import tiny_decoder_pair
+
+    return tiny_decoder_pair(arch, pack_linears)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: tied embeddings and q/k/v bias
+def test_packed_tiny_model_equals_the_unpacked_one(arch):
+    from helpers_models import mixed_batch_outputs
+
+    c, model, packed = _tiny(arch)
+    assert not [m for m in packed.modules() if isinstance(m, nn.Linear)]
+    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 4 * c.num_layers + 1
+    (ref, qf), (out, qp) = mixed_batch_outputs(c, [model, packed])
+    assert out.dtype == torch.float32
+    assert (out - ref).abs().max().item() < 1e-4
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    # query recomputation reads qkv_proj.weight directly: the unpacked weight keeps it working
+    assert (qp - qf).abs().max().item() < 1e-4
+
+
+def test_int8_of_a_packed_model_equals_int8_of_the_dense_one():
+    from engine.models.quant import Int8Linear, quantize_int8
+
+    _, model, packed = _tiny("llama")
+    a, b = quantize_int8(model), quantize_int8(packed)
+    la = [m for m in a.modules() if isinstance(m, Int8Linear)]
+    lb = [m for m in b.modules() if isinstance(m, Int8Linear)]
+    assert len(la) == len(lb) > 0 and not hasattr(b, "packed_lm_head")
+    for x, y in zip(la, lb):
+        assert torch.equal(x.w_packed, y.w_packed) and torch.equal(x.scale, y.scale)
+
+
+def test_can_pack_says_why_not():
+    _, model, _ = _tiny("llama")
+    assert can_pack(model) is None
+    assert "bfloat16" in can_pack(model.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="gemm_backend='cpu' cannot run"):
+        pack_linears(model)
+
+
+def test_engine_gemm_backend_setting(make_engine):
+    from engine import SamplingParams
+    from server.cli import build_parser, engine_kwargs_from_args
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    prompts = [[5, 6, 7, 8, 9], list(range(3, 40))]
+    outs = {}
+    for backend in ("torch", "cpu", "auto"):
+        eng = make_engine(gemm_backend=backend)
+        packed = any(isinstance(m, PackedLinear) for m in eng.model.modules())
+        assert packed == (backend != "torch")  # auto packs here: a float32 model on an AVX2 CPU
+        outs[backend] = eng.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(outs["torch"], outs["cpu"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = [d[t] for d, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]
+        lb = [d[t] for d, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
+        assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-4
+    with pytest.raises(ValueError, match="gemm_backend"):
+        make_engine(gemm_backend="mkl")
+    with pytest.raises(ValueError, match="gemm_backend='cpu'"):
+        make_engine(gemm_backend="cpu", quantization="int8")
+    with pytest.raises(ValueError, match="gemm_backend='cpu'"):
+        make_engine(gemm_backend="cpu", dtype="bfloat16")
+    eng = make_engine(dtype="bfloat16")  # auto falls back to torch's GEMMs
+    assert not any(isinstance(m, PackedLinear) for m in eng.model.modules())
+    kw = engine_kwargs_from_args(build_parser().parse_args(["serve", "--gemm-backend", "torch"]))
+    assert kw == {"gemm_backend": "torch"}
