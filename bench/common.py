@@ -75,10 +75,27 @@ def timed(fn, repeats: int, warmup: bool = True) -> list[float]:
     return out
 
 
+def cpu_name() -> str:
+    """'AMD EPYC (family 26 model 2), AVX-512' from /proc/cpuinfo: the machines of this project change between
+    sessions, and a table is only comparable with others from the same CPU."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    flags = info.get("flags", "").split()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    name = info.get("model name", platform.machine())
+    return f"{name} (family {info.get('cpu family', '?')} model {info.get('model', '?')}), {isa}"
+
+
 def machine() -> str:
     import torch
 
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    return f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
 def write_section(title: str, command: str, body: str) -> None:

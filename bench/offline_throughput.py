@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 from bench.common import median, run_requests, text_prompts, timed, write_section  # noqa: E402
 from engine import Engine, SamplingParams  # noqa: E402
+from engine.config import parse_dtype  # noqa: E402
 
 
 def kvllm_run(engine: Engine, prompts, output_len: int, batch: int) -> tuple[float, float]:
@@ -147,7 +148,7 @@ def prefix_caching_rows(args) -> str:
 
 
 ENGINES = {  # name -> Engine keyword arguments
-    "cpu": dict(attention_backend="cpu"),  # gemm_backend auto: the packed float32 GEMM on AVX2
+    "cpu": dict(attention_backend="cpu"),  # gemm_backend auto: the packed float32 GEMM (AVX2 / AVX-512)
     "cpu+int8": dict(attention_backend="cpu", quantization="int8"),
     "torch": dict(attention_backend="torch"),
     "cpu+fp16kv": dict(attention_backend="cpu", kv_cache_dtype="float16"),
@@ -198,7 +199,8 @@ def main() -> None:
                     "first must be fp32 (its weights give the GEMM floors)")
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--hf-num-prompts", type=int, default=32, help="HF runs this many prompts (a rate is measured)")
-    ap.add_argument("--dtype", default="auto", help="auto = bf16 only where the CPU has fast bf16 (AMX)")
+    ap.add_argument("--dtype", default="float32", help="engines' and HF's dtype; float32 is issue 14's floor, 'auto' "
+                    "is the engine's default (bf16 on CPUs with AMX or AVX512-BF16)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--threads", default="1", help="torch threads, comma-separated (e.g. 1,2): each count runs "
                     "every engine and HF")
@@ -222,10 +224,12 @@ def main() -> None:
         if n not in ENGINES:
             raise SystemExit(f"--engines: unknown {n!r}, choose from {sorted(ENGINES)}")
     batches = [int(b) for b in args.batches.split(",")]
+    dtype = parse_dtype(args.dtype)
+    dname = str(dtype).removeprefix("torch.")
     t_start = time.perf_counter()
     tput = ["| threads | engine | max running | output tok/s | vs HF (same threads) | workload time | its GEMM floor "
             "| time / floor |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
-    steps = ["| threads | engine | decode step at 64 running | KV slots per sequence | bare fp32 GEMM floor (torch) "
+    steps = [f"| threads | engine | decode step at 64 running | KV slots per sequence | bare {dname} GEMM floor (torch) "
              "| step | step / floor | the engine's own GEMMs | step / own GEMMs |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     hf_rows = ["| threads | HF output tok/s (batch {b}, {n} prompts) | HF time / its GEMM floor |".format(
@@ -244,7 +248,7 @@ def main() -> None:
             from engine.loader import smollm2_gguf_path
 
             gguf = smollm2_gguf_path()
-            hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+            hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype).eval()
             hf_run(hf, prompts[:2], 4, 2)  # warm-up
             hf_tps = hf_run(hf, prompts[:args.hf_num_prompts], args.output_len, args.hf_batch)
             n = args.hf_num_prompts
@@ -268,11 +272,11 @@ def main() -> None:
         tput = []
     body = "\n".join(([*tput, ""] if tput else []) + steps
                      + ([""] + hf_rows if not (args.skip_hf or args.probe_only) else []))
-    body += (f"\n\nSmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32 unless the engine is +int8), "
+    body += (f"\n\nSmolLM2-135M-Instruct (Q4_1 GGUF dequantized to {dname} unless the engine is +int8), "
              f"{args.num_prompts} requests x {args.input_len}-token real-text prompts, {args.output_len} new tokens, "
              f"greedy, ignore_eos, at most 'max running' in the engine at once; HF generate runs "
              f"{args.hf_num_prompts} of the prompts in static batches of {args.hf_batch}. Engines: "
-             + "; ".join(f"{n} = {ENGINES[n]}" for n in names) + ". GEMM floor: torch's bare fp32 GEMMs (F.linear on the dense weights) of the same work "
+             + "; ".join(f"{n} = {ENGINES[n]}" for n in names) + f". GEMM floor: torch's bare {dname} GEMMs (F.linear on the dense weights) of the same work "
              f"at the same threads (prefill GEMMs of every prompt, in 2048-token chunks, + one decode step of GEMMs "
              f"and LM head per output token of each wave of 'max running' requests); the decode-step floor is one "
              f"such step at 64 rows; 'the engine's own GEMMs': that step's linear layers and LM head through the "
@@ -281,7 +285,7 @@ def main() -> None:
         body = "\n".join(steps) + (
             f"\n\nSmolLM2-135M-Instruct; the median pure decode step (every sequence running, no prompt token in the "
             f"step) with {min(64, args.num_prompts)} sequences of ~{args.input_len} and ~"
-            f"{args.input_len + args.output_len} KV slots, against the bare fp32 GEMMs (+ LM head) of one step at "
+            f"{args.input_len + args.output_len} KV slots, against the bare {dname} GEMMs (+ LM head) of one step at "
             f"that batch and thread count. Engines: " + "; ".join(f"{n} = {ENGINES[n]}" for n in names)
             + f". OpenMP waits passively. {time.perf_counter() - t_start:.0f} s.")
     print(body)

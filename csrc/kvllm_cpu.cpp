@@ -393,6 +393,118 @@ struct Avx2 {
 };
 
 #pragma GCC pop_options
+
+// ---- AVX-512 kernels (D % 16 == 0) ---------------------------------------------------------------------
+// Same loops as Avx2 on 16-float vectors. On cores with full-width 512-bit FMA units (AMD Zen 5, Intel server
+// cores) one instruction does twice the work, and the decode layer call is bound by these FMAs, not by the K/V
+// bytes (docs/benchmarks.md). The softmax bookkeeping on a 32-slot chunk stays AVX2.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+inline __m256 fold256(__m512 a) {  // lanes i and i + 8 added (AVX512F only: no 32x8 extract, which is DQ)
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+template <int MB, int NK, typename E>
+inline void dots512(const float* const* q, const E* const* k, int64_t d, float* const* out) {
+  __m512 acc[MB][NK];
+  for (int r = 0; r < MB; ++r)
+    for (int j = 0; j < NK; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) {
+    __m512 kv[NK];
+    for (int j = 0; j < NK; ++j) kv[j] = load16(k[j] + i);
+    for (int r = 0; r < MB; ++r) {
+      __m512 qv = _mm512_loadu_ps(q[r] + i);
+      for (int j = 0; j < NK; ++j) acc[r][j] = _mm512_fmadd_ps(qv, kv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MB; ++r) {
+    if constexpr (NK == 4) {
+      __m256 t0 = _mm256_hadd_ps(fold256(acc[r][0]), fold256(acc[r][1]));
+      __m256 t1 = _mm256_hadd_ps(fold256(acc[r][2]), fold256(acc[r][3]));
+      __m256 t2 = _mm256_hadd_ps(t0, t1);
+      _mm_storeu_ps(out[r], _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1)));
+    } else {
+      for (int j = 0; j < NK; ++j) out[r][j] = _mm512_reduce_add_ps(acc[r][j]);
+    }
+  }
+}
+
+template <int MB, typename E>
+inline void score_block512(const Rows<E>& R, int64_t r0, int64_t jmax) {
+  const float* q[MB];
+  for (int r = 0; r < MB; ++r) q[r] = R.q + (r0 + r) * R.d;
+  int64_t j = 0;
+  for (; j + 4 <= jmax; j += 4) {
+    float* o[MB];
+    for (int r = 0; r < MB; ++r) o[r] = R.s + (r0 + r) * kChunk + j;
+    dots512<MB, 4>(q, R.kp + j, R.d, o);
+  }
+  for (; j < jmax; ++j) {
+    float* o[MB];
+    for (int r = 0; r < MB; ++r) o[r] = R.s + (r0 + r) * kChunk + j;
+    dots512<MB, 1>(q, R.kp + j, R.d, o);
+  }
+}
+
+template <int MB, int NV, typename E>
+inline void pv_block512(const Rows<E>& R, int64_t r0, int64_t jmax, int64_t c) {
+  __m512 acc[MB][NV];
+  for (int r = 0; r < MB; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_loadu_ps(R.o + (r0 + r) * R.d + c + 16 * v);
+  for (int64_t j = 0; j < jmax; ++j) {
+    const E* vr = R.vp[j] + c;
+    __m512 vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = load16(vr + 16 * v);
+    for (int r = 0; r < MB; ++r) {
+      __m512 w = _mm512_set1_ps(R.s[(r0 + r) * kChunk + j]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(w, vv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < MB; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(R.o + (r0 + r) * R.d + c + 16 * v, acc[r][v]);
+}
+
+template <int MB, typename E>
+inline void pv_rows512(const Rows<E>& R, int64_t r0, int64_t jmax) {
+  int64_t c = 0;
+  for (; c + 64 <= R.d; c += 64) pv_block512<MB, 4>(R, r0, jmax, c);
+  for (; c < R.d; c += 16) pv_block512<MB, 1>(R, r0, jmax, c);
+}
+
+struct Avx512 : Avx2 {  // softmax pieces inherited (AVX2)
+  template <typename E>
+  static void scores(const Rows<E>& R) {
+    int64_t r = 0;
+    for (; r + 3 <= R.n; r += 3) {
+      int64_t jm = block_jmax(R, r, 3);
+      if (jm) score_block512<3>(R, r, jm);
+    }
+    for (; r < R.n; ++r)
+      if (R.nv[r]) score_block512<1>(R, r, R.nv[r]);
+  }
+  template <typename E>
+  static void accumulate(const Rows<E>& R) {
+    int64_t r = 0;
+    for (; r + 3 <= R.n; r += 3) {
+      int64_t jm = block_jmax(R, r, 3);
+      if (jm) pv_rows512<3>(R, r, jm);
+    }
+    for (; r < R.n; ++r)
+      if (R.nv[r]) pv_rows512<1>(R, r, R.nv[r]);
+  }
+};
+
+#pragma GCC pop_options
 #endif  // KVLLM_X86
 
 // ---- one work item -------------------------------------------------------------------------------------
@@ -474,6 +586,26 @@ bool cpu_has_avx2() {
 #endif
 }
 
+// Instruction-set levels of the kernels: 0 portable, 1 AVX2 + FMA, 2 AVX-512F (+ AVX2). Every op takes a
+// `max_isa` (tests run each level on a machine that has it); the best level present is the default.
+int64_t best_isa() {
+#ifdef KVLLM_X86
+  static const int64_t level = [] {
+    if (!cpu_has_avx2()) return int64_t{0};
+    return __builtin_cpu_supports("avx512f") ? int64_t{2} : int64_t{1};
+  }();
+  return level;
+#else
+  return 0;
+#endif
+}
+
+int64_t pick_isa(int64_t max_isa) {
+  TORCH_CHECK_VALUE(max_isa >= 0 && max_isa <= 2, "max_isa must be 0 (portable), 1 (AVX2) or 2 (AVX-512), got ",
+                    max_isa);
+  return std::min(max_isa, best_isa());
+}
+
 DType dtype_of(const at::Tensor& t, const char* name) {
   switch (t.scalar_type()) {
     case at::kFloat: return DType::F32;
@@ -493,7 +625,8 @@ void check_index(const at::Tensor& t, const char* name, int64_t min_len) {
 // out[T, Hq, D] = attention of q over the pages. `force_portable` selects the portable kernels (tests).
 void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& qo_indptr,
                      const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
-                     double scale, at::Tensor& out, bool force_portable) {
+                     double scale, at::Tensor& out, bool force_portable, int64_t max_isa) {
+  const int64_t isa = force_portable ? 0 : pick_isa(max_isa);
   TORCH_CHECK_VALUE(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(),
                     "q must be a contiguous [T, Hq, D] CPU tensor");
   TORCH_CHECK_VALUE(kv_cache.device().is_cpu() && kv_cache.dim() == 5 && kv_cache.size(1) == 2 &&
@@ -581,7 +714,6 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   P.block_stride = 2 * bs * hkv * d;
   P.qscale = static_cast<float>(scale) * kLog2e;
 
-  const bool avx = !force_portable && cpu_has_avx2() && d % 8 == 0;
   auto go = [&](auto kernels) {
     using K = decltype(kernels);
     switch (P.kv_dtype) {
@@ -591,7 +723,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     }
   };
 #ifdef KVLLM_X86
-  if (avx) return go(Avx2{});
+  if (isa >= 2 && d % 16 == 0) return go(Avx512{});
+  if (isa >= 1 && d % 8 == 0) return go(Avx2{});
 #endif
   go(Portable{});
 }
@@ -732,6 +865,63 @@ void packed_panel_avx2(const Int8Problem& I, const float* w, int64_t p) {
 }
 
 #pragma GCC pop_options
+
+// AVX-512 packed micro-kernel: a panel row (16 channels) is one zmm, so a tile of MR rows x NP panels keeps
+// MR * NP accumulators; 12 x 2 uses 24 of the 32 registers and issues 24 FMAs per 2 weight loads.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+
+template <int MR, int NP>
+inline void packed_micro512(const Int8Problem& I, const float* w, int64_t p, int64_t r0) {
+  const float* x = I.x + r0 * I.k;
+  const int64_t kk = I.k;
+  const float* wp = w + p * kk * kPanel;
+  __m512 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NP; ++n) acc[r][n] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kk; ++k) {
+    __m512 wv[NP];
+    for (int n = 0; n < NP; ++n) wv[n] = _mm512_loadu_ps(wp + (n * kk + k) * kPanel);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * kk + k]);
+      for (int n = 0; n < NP; ++n) acc[r][n] = _mm512_fmadd_ps(xb, wv[n], acc[r][n]);
+    }
+  }
+  alignas(64) float buf[MR * NP * kPanel];  // constant-index spill, as in int8_micro
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NP; ++n) _mm512_store_ps(buf + (r * NP + n) * kPanel, acc[r][n]);
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NP; ++n) int8_store(I, r0 + r, (p + n) * kPanel, buf + (r * NP + n) * kPanel);
+}
+
+template <int NP>
+void packed_rows512(const Int8Problem& I, const float* w, int64_t p) {
+  int64_t r = 0;
+  for (; r + 12 <= I.m; r += 12) packed_micro512<12, NP>(I, w, p, r);
+  switch (I.m - r) {
+    case 11: packed_micro512<11, NP>(I, w, p, r); break;
+    case 10: packed_micro512<10, NP>(I, w, p, r); break;
+    case 9: packed_micro512<9, NP>(I, w, p, r); break;
+    case 8: packed_micro512<8, NP>(I, w, p, r); break;
+    case 7: packed_micro512<7, NP>(I, w, p, r); break;
+    case 6: packed_micro512<6, NP>(I, w, p, r); break;
+    case 5: packed_micro512<5, NP>(I, w, p, r); break;
+    case 4: packed_micro512<4, NP>(I, w, p, r); break;
+    case 3: packed_micro512<3, NP>(I, w, p, r); break;
+    case 2: packed_micro512<2, NP>(I, w, p, r); break;
+    case 1: packed_micro512<1, NP>(I, w, p, r); break;
+    default: break;
+  }
+}
+
+// panels [2 * q, 2 * q + 2) of w (one when it is the last of an odd count)
+void packed_pair_avx512(const Int8Problem& I, const float* w, int64_t q, int64_t panels) {
+  if (2 * q + 1 < panels) return packed_rows512<2>(I, w, 2 * q);
+  packed_rows512<1>(I, w, 2 * q);
+}
+
+#pragma GCC pop_options
 #endif  // KVLLM_X86
 
 // Shape checks shared by the packed linears: x [M, K] float32, w_packed [N/16, K, 16] of `wtype`, out [M, N]
@@ -789,9 +979,10 @@ void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tens
 constexpr int64_t kRowBlock = 96;
 
 void packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const std::optional<at::Tensor>& bias,
-                   at::Tensor& out) {
+                   at::Tensor& out, int64_t max_isa) {
   const auto [m, k, n, panels] = check_linear(x, w_packed, at::kFloat, "float32", bias, out);
-  TORCH_CHECK_VALUE(cpu_has_avx2(), "packed_linear needs AVX2 + FMA");
+  const int64_t isa = pick_isa(max_isa);
+  TORCH_CHECK_VALUE(isa >= 1, "packed_linear needs AVX2 + FMA (max_isa >= 1 on a CPU that has them)");
   Int8Problem I{x.data_ptr<float>(), nullptr, nullptr, bias ? bias->data_ptr<float>() : nullptr,
                 out.data_ptr<float>(), m, k, n, k};
   if (m == 0) return;
@@ -803,25 +994,34 @@ void packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const std::o
     B.x = I.x + r0 * k;
     B.out = I.out + r0 * n;
     B.m = std::min<int64_t>(kRowBlock, m - r0);
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) packed_panel_avx2(B, w, p);
-    });
+    if (isa >= 2) {
+      at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
+        for (int64_t q = q0; q < q1; ++q) packed_pair_avx512(B, w, q, panels);
+      });
+    } else {
+      at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p) packed_panel_avx2(B, w, p);
+      });
+    }
   }
 #endif
 }
 
 bool has_avx2() { return cpu_has_avx2(); }
+int64_t isa_level() { return best_isa(); }
 
 }  // namespace
 
 TORCH_LIBRARY(kvllm_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, "
-        "Tensor kv_last_page_len, float scale, Tensor(a!) out, bool force_portable=False) -> ()",
+        "Tensor kv_last_page_len, float scale, Tensor(a!) out, bool force_portable=False, int max_isa=2) -> ()",
         &paged_attention);
   m.def("int8_linear(Tensor x, Tensor w_packed, Tensor scale, Tensor? bias, Tensor(a!) out, "
         "bool force_portable=False) -> ()", &int8_linear);
-  m.def("packed_linear(Tensor x, Tensor w_packed, Tensor? bias, Tensor(a!) out) -> ()", &packed_linear);
+  m.def("packed_linear(Tensor x, Tensor w_packed, Tensor? bias, Tensor(a!) out, int max_isa=2) -> ()",
+        &packed_linear);
   m.def("has_avx2() -> bool", &has_avx2);
+  m.def("isa_level() -> int", &isa_level);
 }
 
 }  // namespace kvllm_cpu

@@ -2,8 +2,9 @@
 
 The reference below is written out plainly: gather each sequence's K/V slot by slot through its block table,
 then for every query token and head a softmax over the slots it may see (query i of q_len attends slots
-[0, kv_len - q_len + i]; query head h reads KV head h // (Hq / Hkv)). Both kernel variants are checked: the
-AVX2 one (head_dim % 8 == 0 on an AVX2 CPU) and the portable one (forced, and any head_dim).
+[0, kv_len - q_len + i]; query head h reads KV head h // (Hq / Hkv)). Every kernel level the CPU has is checked:
+AVX-512 (head_dim % 16 == 0, max_isa=2), AVX2 (head_dim % 8 == 0, max_isa=1) and the portable one (forced, and any
+head_dim); a level the CPU lacks is skipped.
 """
 import logging
 import math
@@ -24,7 +25,15 @@ if not cpu_ext.is_available():
 
 from engine.attention.cpu_paged import CpuPagedBackend  # noqa: E402
 
-KERNELS = [pytest.param(False, id="avx2-or-portable"), pytest.param(True, id="portable")]
+ISA = cpu_ext.load().isa_level()  # 0 portable, 1 AVX2, 2 AVX-512
+KERNELS = [pytest.param(2, id="avx512", marks=pytest.mark.skipif(ISA < 2, reason="no AVX-512F on this CPU")),
+           pytest.param(1, id="avx2", marks=pytest.mark.skipif(ISA < 1, reason="no AVX2 on this CPU")),
+           pytest.param(0, id="portable")]
+
+
+def kernel(level: int) -> CpuPagedBackend:
+    """The backend with its kernel capped at `level` (0 forces the portable loops)."""
+    return CpuPagedBackend(force_portable=level == 0, max_isa=max(level, 1))
 
 
 def reference(q, cache, block_tables, q_lens, kv_lens, scale, causal_shift=0, group=None):
@@ -88,12 +97,12 @@ MIXED_Q = {0: 37, 1: 1, 2: 5, 3: 1, 4: 1, 5: 2, 6: 1, 7: 9}
 MIXED_PREFIX = {0: 0, 1: 8, 2: 7, 3: 15, 4: 0, 5: 3, 6: 90, 7: 40}
 
 
-@pytest.mark.parametrize("portable", KERNELS)
+@pytest.mark.parametrize("level", KERNELS)
 @pytest.mark.parametrize("bs", [1, 4, 16])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (6, 2, 8), (3, 3, 32), (8, 1, 16), (4, 2, 12)])
-def test_mixed_prefill_and_decode_match_reference(portable, bs, hq, hkv, d):
+def test_mixed_prefill_and_decode_match_reference(level, bs, hq, hkv, d):
     cache, meta, q, k, v = make_step(MIXED_Q, MIXED_PREFIX, hq, hkv, d, bs, seed=bs + hq)
-    out = run(CpuPagedBackend(force_portable=portable), meta, q, k, v, cache, 1 / math.sqrt(d))
+    out = run(kernel(level), meta, q, k, v, cache, 1 / math.sqrt(d))
     assert out.dtype == q.dtype and out.shape == q.shape
     # the step's K/V landed at the slot mapping before attention read them
     blocks, offs = meta.slot_mapping // bs, meta.slot_mapping % bs
@@ -101,21 +110,21 @@ def test_mixed_prefill_and_decode_match_reference(portable, bs, hq, hkv, d):
     assert max_err(out, cache, meta, q, 1 / math.sqrt(d)) < 1e-5
 
 
-@pytest.mark.parametrize("portable", KERNELS)
-def test_decode_only_many_sequences(portable):
+@pytest.mark.parametrize("level", KERNELS)
+def test_decode_only_many_sequences(level):
     lens = [1, 2, 15, 16, 17, 31, 32, 33, 64, 100, 257, 3, 500]
     q_lens, prefix = {s: 1 for s in range(len(lens))}, {s: n - 1 for s, n in enumerate(lens)}
     cache, meta, q, k, v = make_step(q_lens, prefix, 9, 3, 64, 16, seed=1)
     assert meta.is_decode_only
-    assert max_err(run(CpuPagedBackend(force_portable=portable), meta, q, k, v, cache, 0.125), cache, meta, q,
+    assert max_err(run(kernel(level), meta, q, k, v, cache, 0.125), cache, meta, q,
                    0.125) < 1e-5
 
 
-@pytest.mark.parametrize("portable", KERNELS)
-def test_prefill_only_long_and_chunked(portable):
+@pytest.mark.parametrize("level", KERNELS)
+def test_prefill_only_long_and_chunked(level):
     # 70-token prompt (several 8-token query tiles, 3 chunks of slots); a 33-token chunk on 64 cached slots
     cache, meta, q, k, v = make_step({0: 70, 1: 33, 2: 2}, {0: 0, 1: 64, 2: 0}, 6, 2, 32, 4, seed=2)
-    assert max_err(run(CpuPagedBackend(force_portable=portable), meta, q, k, v, cache, 0.2), cache, meta, q,
+    assert max_err(run(kernel(level), meta, q, k, v, cache, 0.2), cache, meta, q,
                    0.2) < 1e-5
 
 
@@ -132,14 +141,14 @@ def test_random_steps(seed):
     assert max_err(run(CpuPagedBackend(), meta, q, k, v, cache, d ** -0.5), cache, meta, q, d ** -0.5) < 1e-5
 
 
-@pytest.mark.parametrize("portable", KERNELS)
-def test_query_recompute_writes_nothing(portable):
+@pytest.mark.parametrize("level", KERNELS)
+def test_query_recompute_writes_nothing(level):
     """k is None (write=False): the tokens' K/V are already cached; attention reads them and writes nothing."""
     cache, meta, q, _, _ = make_step({0: 3, 1: 1, 2: 13, 3: 40}, {0: 9, 1: 6, 2: 13, 3: 50}, 4, 2, 16, 4,
                                      seed=4, write=False)
     assert meta.slot_mapping.numel() == 0 and meta.kv_lens == [9, 6, 13, 50]
     before = cache.clone()
-    out = run(CpuPagedBackend(force_portable=portable), meta, q, None, None, cache, 0.25)
+    out = run(kernel(level), meta, q, None, None, cache, 0.25)
     assert torch.equal(cache, before)
     assert max_err(out, cache, meta, q, 0.25) < 1e-5
 
@@ -153,16 +162,23 @@ def test_half_types_close_to_reference(dtype):
     assert max_err(out, cache, meta, q, 0.25) < 2e-2
 
 
-@pytest.mark.parametrize("portable", KERNELS)
+@pytest.mark.parametrize("level", KERNELS)
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
-def test_half_cache_with_float32_queries(portable, kv_dtype):
+def test_half_cache_with_float32_queries(level, kv_dtype):
     """A half-precision KV cache read by float32 queries (rows upcast per chunk); the reference sees the same
     half-precision K/V values, so the only error is float32 arithmetic."""
     cache, meta, q, k, v = make_step(MIXED_Q, MIXED_PREFIX, 6, 2, 16, 4, seed=12)
     cache = cache.to(kv_dtype)
-    out = run(CpuPagedBackend(force_portable=portable), meta, q, k, v, cache, 0.25)
+    out = run(kernel(level), meta, q, k, v, cache, 0.25)
     assert out.dtype == torch.float32
     assert max_err(out, cache, meta, q, 0.25) < 1e-5
+
+
+def test_max_isa_out_of_range_names_the_field():
+    cache, meta, q, _, _ = make_step({0: 3}, {0: 9}, 4, 2, 16, 4, seed=8, write=False)
+    with pytest.raises(ValueError, match="max_isa must be 0"):
+        cpu_ext.load().paged_attention(q, cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                                       meta.kv_last_page_len, 0.25, torch.empty_like(q), False, 5)
 
 
 def test_float64_goes_to_the_torch_backend():

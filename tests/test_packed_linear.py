@@ -15,6 +15,10 @@ if not cpu_ext.load().has_avx2():
 
 from engine.models.packed import PackedLinear, can_pack, pack_linears, pack_weight  # noqa: E402
 
+ISA = cpu_ext.load().isa_level()  # 1 AVX2 (6 x 16 tile), 2 AVX-512 (12 x 32 tile)
+LEVELS = [pytest.param(1, id="avx2"),
+          pytest.param(2, id="avx512", marks=pytest.mark.skipif(ISA < 2, reason="no AVX-512F on this CPU"))]
+
 
 def _check_close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
     """float32 accumulation error bound: a few ulps of sum_k |x_k w_k| per output (the float64 reference)."""
@@ -36,10 +40,12 @@ def test_pack_weight_layout():
         pack_weight(torch.randn(3, 4, 5))
 
 
-# m: 0 rows, the micro-kernel's remainders (1..5, 7, 13), whole tiles (6, 96) and more than one 96-row block
-@pytest.mark.parametrize("m", [0, 1, 2, 5, 6, 7, 13, 64, 96, 131, 250])
+# m: 0 rows, the micro-kernels' remainders (1..5, 7, 11, 13), whole tiles (6, 12, 96) and more than one 96-row
+# block; n: one panel, an odd and an even number of panels (the AVX-512 tile takes panels in pairs)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("m", [0, 1, 2, 5, 6, 7, 11, 12, 13, 64, 96, 131, 250])
 @pytest.mark.parametrize("n,k,bias", [(16, 8, True), (35, 64, False), (5, 33, True), (200, 576, False)])
-def test_packed_linear_matches_float64(m, n, k, bias):
+def test_packed_linear_matches_float64(level, m, n, k, bias):
     g = torch.Generator().manual_seed(m * 1000 + n)
     lin = nn.Linear(k, n, bias=bias)
     with torch.no_grad():
@@ -47,16 +53,20 @@ def test_packed_linear_matches_float64(m, n, k, bias):
         if bias:
             lin.bias.copy_(torch.randn(n, generator=g))
     layer = PackedLinear(lin)
+    layer.max_isa = level
     assert torch.equal(layer.weight, lin.weight)  # the packing round-trips exactly
     x = torch.randn(m, k, generator=g)
     _check_close(layer(x), x, lin.weight, lin.bias if bias else None)
 
 
-def test_the_bound_catches_a_misplaced_channel():
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("panel", [0, 1])  # the AVX-512 tile's first and second panel of a pair
+def test_the_bound_catches_a_misplaced_channel(level, panel):
     """The check above fails a kernel that mixes up two output channels of a panel (a packing slip)."""
     lin = nn.Linear(64, 32, bias=False)
     layer = PackedLinear(lin)
-    layer.w_packed[0, :, [3, 4]] = layer.w_packed[0, :, [4, 3]]
+    layer.max_isa = level
+    layer.w_packed[panel, :, [3, 4]] = layer.w_packed[panel, :, [4, 3]]
     x = torch.randn(7, 64)
     with pytest.raises(AssertionError):
         _check_close(layer(x), x, lin.weight, None)
@@ -85,6 +95,10 @@ def test_packed_linear_bad_inputs_name_the_field():
         ops.packed_linear(x, layer.w_packed, torch.zeros(3), torch.empty(3, 20))
     with pytest.raises(ValueError, match="w_packed must be"):
         ops.packed_linear(x, layer.w_packed.half(), None, torch.empty(3, 20))
+    with pytest.raises(ValueError, match="max_isa must be"):
+        ops.packed_linear(x, layer.w_packed, None, torch.empty(3, 20), 3)
+    with pytest.raises(ValueError, match="packed_linear needs AVX2"):
+        ops.packed_linear(x, layer.w_packed, None, torch.empty(3, 20), 0)
 
 
 def _tiny(arch: str):

@@ -4,7 +4,8 @@ The torch backend gathers every sequence's K/V rows into a padded buffer each la
 slots that is 50 MB copied per layer) and loops over prefill sequences in Python. This backend hands the
 step's CSR page table straight to the kernel in csrc/kvllm_cpu.cpp (built by engine/attention/cpu_ext.py),
 which walks each sequence's blocks in place with an online softmax, all sequences (decode and prefill, mixed)
-in one call, parallel over (sequence, KV head, query tile) on torch's intra-op threads.
+in one call, parallel over (sequence, KV head, query tile) on torch's intra-op threads. The kernel has AVX-512,
+AVX2 and portable loops and takes the best the CPU has (`max_isa` caps it).
 
 float32, bfloat16 and float16 run in the kernel, in any mix of query and cache dtype (half K/V are widened in
 registers, math in float32: `kv_cache_dtype='float16'` halves the bytes a decode step reads); any other dtype or a
@@ -24,12 +25,13 @@ class CpuPagedBackend:
     """AttentionBackend over NHD pages [num_blocks, 2, block_size, Hkv, D] on the CPU. Raises
     cpu_ext.ExtensionUnavailable when the kernel cannot be built or loaded."""
 
-    def __init__(self, force_portable: bool = False) -> None:
+    def __init__(self, force_portable: bool = False, max_isa: int = 2) -> None:
         from engine.attention import cpu_ext
 
         self._ops = cpu_ext.load()
         self._fallback = TorchPagedBackend()
         self.force_portable = force_portable  # the non-AVX2 kernels, for tests on AVX2 machines
+        self.max_isa = max_isa  # 2: AVX-512 where the CPU has it; 1: AVX2 at most (tests of each level)
 
     def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
              dtype: torch.dtype) -> None:
@@ -49,5 +51,5 @@ class CpuPagedBackend:
         q = q.contiguous()
         out = torch.empty_like(q)
         self._ops.paged_attention(q, kv_cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
-                                  meta.kv_last_page_len, float(scale), out, self.force_portable)
+                                  meta.kv_last_page_len, float(scale), out, self.force_portable, self.max_isa)
         return out

@@ -1,14 +1,16 @@
 """Packed float32 linear layers for the CPU path: `pack_linears(model)` swaps a loaded DecoderLM's linear layers
 (and the LM head) for PackedLinear, whose weight is stored in panels of 16 output channels, [N/16, K, 16], and
-multiplied by the AVX2 micro-kernel of csrc/kvllm_cpu.cpp (torch.ops.kvllm_cpu.packed_linear).
+multiplied by the micro-kernels of csrc/kvllm_cpu.cpp (torch.ops.kvllm_cpu.packed_linear): a 6-row x 16-channel
+AVX2 tile, or on CPUs with AVX-512F a 12-row x 32-channel tile (one zmm per panel row), picked at run time.
 
 Why: on AVX2-only CPUs MKL's sgemm runs the decode shapes of a small model (M <= 64 rows, K = hidden or
 intermediate size) well below the core's FMA peak, and these GEMMs are most of a decode step. The same
 6 x 16 register tile as the int8 kernel (engine/models/quant.py), on float panels read in place, is faster at
-every batch size measured (docs/benchmarks.md, "Packed float32 GEMM"). Same dtype, same math, a different
+every batch size measured, and on an AVX-512 core (AMD Zen 5) the AVX-512 tile beats MKL's sgemm there too
+(docs/benchmarks.md, "Packed float32 GEMM"). Same dtype, same math, a different
 summation order: results differ from F.linear by float32 rounding only (tests/test_packed_linear.py).
 
-Engine use: EngineConfig.gemm_backend ('auto' packs on a CPU with AVX2 when the model is float32, unsharded and
+Engine use: EngineConfig.gemm_backend ('auto' packs on a CPU with AVX2 (AVX-512 included) when the model is float32, unsharded and
 not quantized). The embedding keeps its float32 table; a tied LM head gets a packed copy of it.
 """
 from __future__ import annotations
@@ -46,6 +48,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("w_packed", pack_weight(linear.weight))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
                                                                   requires_grad=False)
+        self.max_isa = 2  # the best kernel the CPU has; 1 keeps the AVX2 tile (tests, benchmarks)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -59,7 +62,7 @@ class PackedLinear(nn.Module):
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
         out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x.device)
-        self._ops.packed_linear(x2, self.w_packed, self.bias, out)
+        self._ops.packed_linear(x2, self.w_packed, self.bias, out, self.max_isa)
         return out.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
