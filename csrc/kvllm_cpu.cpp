@@ -398,6 +398,8 @@ struct Avx2 {
 // Same loops as Avx2 on 16-float vectors. On cores with full-width 512-bit FMA units (AMD Zen 5, Intel server
 // cores) one instruction does twice the work, and the decode layer call is bound by these FMAs, not by the K/V
 // bytes (docs/benchmarks.md). The softmax bookkeeping on a 32-slot chunk stays AVX2.
+// The loops repeat Avx2's on purpose: one template shared by both `#pragma GCC target` regions would be
+// compiled with the target of its definition, i.e. AVX-512 code in the AVX2 instantiation (SIGILL on AVX2-only CPUs).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx2,fma,f16c")
 
