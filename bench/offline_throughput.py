@@ -12,12 +12,16 @@ to compare on a shared machine); the GEMM floors are the fp32 model's, so int8 r
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 from engine.threads import configure_threads
 
-configure_threads(1)  # before torch loads: passive OpenMP waiting, so a 2-thread sweep does not spin-collapse
+# before torch loads: passive OpenMP waiting, so a 2-thread sweep does not spin-collapse; --default-wait leaves libgomp's
+# own policy (spin GOMP_SPINCOUNT times, then sleep), to measure what passive waiting costs
+WAIT_POLICY = None if "--default-wait" in sys.argv else "passive"
+configure_threads(1, wait_policy=WAIT_POLICY)
 
 import torch  # noqa: E402
 
@@ -207,11 +211,13 @@ def main() -> None:
     ap.add_argument("--probe-only", action="store_true", help="only the decode-step probes (no workload, no HF), "
                     "written to their own section")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--default-wait", action="store_true", help="libgomp's own wait policy (spin GOMP_SPINCOUNT "
+                    "times, then sleep) instead of passive")
     args = ap.parse_args()
     torch.manual_seed(0)
     thread_counts = [int(x) for x in str(args.threads).split(",")]
     if args.prefix_only:
-        configure_threads(thread_counts[0])
+        configure_threads(thread_counts[0], wait_policy=WAIT_POLICY)
         body = prefix_caching_rows(args)
         print(body)
         if not args.no_write:
@@ -226,6 +232,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     dtype = parse_dtype(args.dtype)
     dname = str(dtype).removeprefix("torch.")
+    waiting = ("OpenMP waits passively" if WAIT_POLICY else
+               f"OpenMP waits as libgomp does by default (GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')})")
     t_start = time.perf_counter()
     tput = ["| threads | engine | max running | output tok/s | vs HF (same threads) | workload time | its GEMM floor "
             "| time / floor |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
@@ -235,7 +243,7 @@ def main() -> None:
     hf_rows = ["| threads | HF output tok/s (batch {b}, {n} prompts) | HF time / its GEMM floor |".format(
         b=args.hf_batch, n=args.hf_num_prompts), "|---:|---:|---:|"]
     for threads in thread_counts:
-        configure_threads(threads)
+        configure_threads(threads, wait_policy=WAIT_POLICY)
         floors = None  # per thread count: the GEMMs scale with threads too
         results = {}
         for name in names:
@@ -280,14 +288,14 @@ def main() -> None:
              f"at the same threads (prefill GEMMs of every prompt, in 2048-token chunks, + one decode step of GEMMs "
              f"and LM head per output token of each wave of 'max running' requests); the decode-step floor is one "
              f"such step at 64 rows; 'the engine's own GEMMs': that step's linear layers and LM head through the "
-             f"engine's own modules (packed, int8 or F.linear). OpenMP waits passively. {time.perf_counter() - t_start:.0f} s.")
+             f"engine's own modules (packed, int8 or F.linear). {waiting}. {time.perf_counter() - t_start:.0f} s.")
     if args.probe_only:
         body = "\n".join(steps) + (
             f"\n\nSmolLM2-135M-Instruct; the median pure decode step (every sequence running, no prompt token in the "
             f"step) with {min(64, args.num_prompts)} sequences of ~{args.input_len} and ~"
             f"{args.input_len + args.output_len} KV slots, against the bare {dname} GEMMs (+ LM head) of one step at "
             f"that batch and thread count. Engines: " + "; ".join(f"{n} = {ENGINES[n]}" for n in names)
-            + f". OpenMP waits passively. {time.perf_counter() - t_start:.0f} s.")
+            + f". {waiting}. {time.perf_counter() - t_start:.0f} s.")
     print(body)
     if not args.no_write:
         cmd = "python -m bench.offline_throughput " + " ".join(sys.argv[1:])
