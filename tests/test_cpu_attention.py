@@ -32,8 +32,8 @@ KERNELS = [pytest.param(2, id="avx512", marks=pytest.mark.skipif(ISA < 2, reason
 
 
 def kernel(level: int) -> CpuPagedBackend:
-    """The backend with its kernel capped at `level` (0 forces the portable loops)."""
-    return CpuPagedBackend(force_portable=level == 0, max_isa=max(level, 1))
+    """The backend with its kernel capped at `level` (0: the portable loops)."""
+    return CpuPagedBackend(max_isa=level)
 
 
 def reference(q, cache, block_tables, q_lens, kv_lens, scale, causal_shift=0, group=None):

@@ -31,7 +31,7 @@ class CpuPagedBackend:
         self._ops = cpu_ext.load()
         self._fallback = TorchPagedBackend()
         self.force_portable = force_portable  # the non-AVX2 kernels, for tests on AVX2 machines
-        self.max_isa = max_isa  # 2: AVX-512 where the CPU has it; 1: AVX2 at most (tests of each level)
+        self.max_isa = max_isa  # 2: AVX-512 where the CPU has it; 1: AVX2 at most; 0: portable (tests of each level)
 
     def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
              dtype: torch.dtype) -> None:

@@ -7,11 +7,12 @@ Why: on AVX2-only CPUs MKL's sgemm runs the decode shapes of a small model (M <=
 intermediate size) well below the core's FMA peak, and these GEMMs are most of a decode step. The same
 6 x 16 register tile as the int8 kernel (engine/models/quant.py), on float panels read in place, is faster at
 every batch size measured, and on an AVX-512 core (AMD Zen 5) the AVX-512 tile beats MKL's sgemm there too
-(docs/benchmarks.md, "Packed float32 GEMM"). Same dtype, same math, a different
-summation order: results differ from F.linear by float32 rounding only (tests/test_packed_linear.py).
+(docs/benchmarks.md, "Packed float32 GEMM"). Same dtype, same math, a different summation order: results
+differ from F.linear by float32 rounding only (tests/test_packed_linear.py).
 
-Engine use: EngineConfig.gemm_backend ('auto' packs on a CPU with AVX2 (AVX-512 included) when the model is float32, unsharded and
-not quantized). The embedding keeps its float32 table; a tied LM head gets a packed copy of it.
+Engine use: EngineConfig.gemm_backend ('auto' packs on a CPU with AVX2, AVX-512 CPUs included, when the model is
+float32, unsharded and not quantized). The embedding keeps its float32 table; a tied LM head gets a packed copy
+of it.
 """
 from __future__ import annotations
 
