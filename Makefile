@@ -24,13 +24,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --no-deps kvpress==0.5.5
 	touch $@
 
-# The CPU attention kernel (csrc/kvllm_cpu.cpp) is compiled here, once, into build/cpu_ext/ (git-ignored), so
-# tests and servers never pay the compile (~20 s on 2 cores: one g++ call on one small file, no ninja/pybind11).
-# The library's file name hashes the source, the compile command and the torch version, and
+# The CPU kernels (csrc/: paged attention, packed/int8 linear, the layers' norm/RoPE/activation/K-V-write ops) are
+# compiled here, once, into build/cpu_ext/ (git-ignored), so tests and servers never pay the compile (one g++ call,
+# no ninja/pybind11). The library's file name hashes the sources, the compile command and the torch version, and
 # engine/attention/cpu_ext.py rebuilds on a mismatch, so a stale build is never loaded. Without a C++ compiler
-# this step only warns and the engine uses the (slower) torch attention backend.
-$(VENV)/.cpu_ext: $(VENV)/.installed csrc/kvllm_cpu.cpp engine/attention/cpu_ext.py
-	$(PY) -m engine.attention.cpu_ext || echo "warning: CPU attention kernel not built; the torch backend will be used"
+# this step only warns and the engine uses torch's attention and ops (slower).
+$(VENV)/.cpu_ext: $(VENV)/.installed $(wildcard csrc/*) engine/attention/cpu_ext.py
+	$(PY) -m engine.attention.cpu_ext || echo "warning: CPU kernels not built; torch ops will be used"
 	touch $@
 
 cpu-ext: $(VENV)/.cpu_ext

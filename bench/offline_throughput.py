@@ -7,7 +7,8 @@ the batch size, no attention or norms) so the engine's overhead over pure GEMM t
     .venv/bin/python -m bench.offline_throughput [--threads 1,2] [--engines cpu,cpu+int8,torch]
 
 Every engine setting runs the same requests at every thread count in one process (ratios within one run are what
-to compare on a shared machine); the GEMM floors are the fp32 model's, so int8 rows are shown against fp32.
+to compare on a shared machine); the GEMM floors are the fp32 model's (an int8 engine's weights dequantized), so int8
+rows are shown against fp32, and each engine measures them right before its own runs.
 """
 from __future__ import annotations
 
@@ -40,15 +41,17 @@ def kvllm_run(engine: Engine, prompts, output_len: int, batch: int) -> tuple[flo
     return tokens / elapsed, elapsed
 
 
-def decode_step_time(engine: Engine, prompts, batch: int, steps: int = 8) -> float:
-    """Median time of a pure decode step with `batch` running sequences."""
+def decode_step_time(engine: Engine, prompts, batch: int, floor_once, steps: int = 8) -> tuple[float, float, float]:
+    """A pure decode step with `batch` running sequences against its GEMM floor, the two timed in alternation
+    (each step, then `floor_once`), so a machine whose speed drifts moves both: (median step, median floor, median
+    of the per-pair ratios)."""
     # long enough that the first sequences are still decoding when the last prompt's chunked prefill ends
     prompt_tokens = sum(len(p) for p in prompts[:batch])
     prefill_steps = prompt_tokens // engine.config.max_num_batched_tokens + 2
     params = SamplingParams(temperature=0, max_tokens=prefill_steps + steps + 4, ignore_eos=True)
     for i, p in enumerate(prompts[:batch]):
         engine.add_request(p, params, f"probe-{i}")
-    times = []
+    times, floors = [], []
     while engine.has_unfinished_requests():
         before = engine.stats().prompt_tokens_total
         t0 = time.perf_counter()
@@ -57,9 +60,11 @@ def decode_step_time(engine: Engine, prompts, batch: int, steps: int = 8) -> flo
         st = engine.stats()  # all sequences running and no prompt token computed in this step: a pure decode step
         if st.num_running == batch and st.num_waiting == 0 and st.prompt_tokens_total == before:
             times.append(dt)
+            floors.append(timed(floor_once, 1, warmup=False)[0])
     if not times:
         raise RuntimeError(f"never had {batch} sequences decoding together (KV pool too small?)")
-    return median(times[1:] or times)
+    times, floors = times[1:] or times, floors[1:] or floors
+    return median(times), median(floors), median([t / f for t, f in zip(times, floors)])
 
 
 def hf_run(model, prompts, output_len: int, batch: int) -> float:
@@ -76,12 +81,21 @@ def hf_run(model, prompts, output_len: int, batch: int) -> float:
 def matmul_floor(engine: Engine, batch: int, repeats: int = 10, lm_head: bool = True) -> float:
     """Seconds for the bare GEMMs (model dtype) of one decode step: x[batch, in] @ W.T for every linear + LM head
     (without the LM head: the GEMMs of a prefill chunk of `batch` tokens, which needs logits only at its end)."""
+    once = floor_step(engine, batch, lm_head)
+    with torch.inference_mode():
+        return median(timed(once, repeats))
+
+
+def floor_step(engine: Engine, batch: int, lm_head: bool = True):
+    """A callable that runs those bare GEMMs once."""
     from engine.models.packed import PackedLinear
+    from engine.models.quant import Int8Linear
 
     vocab = engine.model_config.vocab_size
-    # torch's own GEMMs on dense weights (a packed layer's .weight unpacks it), whatever the engine runs
-    weights = [m.weight.contiguous() for m in engine.model.modules()
-               if isinstance(m, (torch.nn.Linear, PackedLinear)) and (lm_head or m.out_features != vocab)]
+    # torch's own GEMMs on dense weights (a packed layer's .weight unpacks it, an int8 one dequantizes it), whatever
+    # the engine runs
+    weights = [m.weight.to(engine.dtype).contiguous() for m in engine.model.modules()
+               if isinstance(m, (torch.nn.Linear, PackedLinear, Int8Linear)) and (lm_head or m.out_features != vocab)]
     hidden = engine.model_config.hidden_size
     xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=engine.dtype) for w in weights}
     xh = torch.randn(batch, hidden, dtype=engine.dtype)
@@ -89,14 +103,14 @@ def matmul_floor(engine: Engine, batch: int, repeats: int = 10, lm_head: bool = 
     lm_weight = None if has_lm_head or not lm_head else (
         engine.model.embed_tokens.weight if hasattr(engine.model, "embed_tokens") else None)
 
+    @torch.inference_mode()
     def once():
         for w in weights:
             torch.nn.functional.linear(xs[w.shape[1]], w)
         if lm_weight is not None:
             torch.nn.functional.linear(xh, lm_weight)
 
-    with torch.inference_mode():
-        return median(timed(once, repeats))
+    return once
 
 
 def own_gemm_step(engine: Engine, batch: int, repeats: int = 10) -> float:
@@ -158,6 +172,7 @@ ENGINES = {  # name -> Engine keyword arguments
     "cpu+fp16kv": dict(attention_backend="cpu", kv_cache_dtype="float16"),
     "cpu+int8+fp16kv": dict(attention_backend="cpu", quantization="int8", kv_cache_dtype="float16"),
     "cpu+torchgemm": dict(attention_backend="cpu", gemm_backend="torch"),  # the CPU kernel with MKL's GEMMs
+    "cpu+torchops": dict(attention_backend="cpu", layer_ops="torch"),  # norms, RoPE, SiLU, K/V writes in torch ops
 }
 
 
@@ -167,23 +182,26 @@ def workload_floor(floors: dict, n: int, batch: int, input_len: int, output_len:
     return floors["prefill_per_token"] * input_len * n + floors[batch] * output_len * -(-n // batch)
 
 
-def engine_rows(name: str, args, prompts_fn, floors: dict | None, batches: list[int]):
-    """Throughput at each max-running batch and the decode-step probe at ~input_len and ~input+output KV slots."""
+def engine_rows(name: str, args, prompts_fn, batches: list[int]):
+    """Throughput at each max-running batch and the decode-step probe at ~input_len and ~input+output KV slots, with
+    the GEMM floors measured from this engine's weights (as dense fp32: an int8 engine's dequantized) right before
+    its workload, so a drifting machine moves both sides of each ratio alike."""
     engine = Engine(model="smollm2", dtype=args.dtype, device="cpu", max_num_seqs=64, max_num_batched_tokens=2048,
                     max_model_len=2048, **ENGINES[name])
     prompts = prompts_fn(engine.tokenizer, args.num_prompts, args.input_len)
-    if floors is None:  # the fp32 model's GEMMs (the first engine must not be quantized)
-        if "quantization" in ENGINES[name]:
-            raise SystemExit("list an fp32 engine first: the GEMM floors come from its weights")
-        floors = {b: matmul_floor(engine, b) for b in sorted({*batches, args.hf_batch, min(64, args.num_prompts)})}
+    floors = {}
+    if not args.probe_only:
+        floors = {b: matmul_floor(engine, b) for b in sorted({*batches, args.hf_batch})}
         chunk = 2048
         floors["prefill_per_token"] = matmul_floor(engine, chunk, repeats=3, lm_head=False) / chunk
     kvllm_run(engine, prompts[:4], 8, 4)  # warm-up
     runs = {b: kvllm_run(engine, prompts, args.output_len, b) for b in batches} if not args.probe_only else {}
     probe = min(64, len(prompts))
-    step_start = decode_step_time(engine, prompts, probe)
+    floor_once = floor_step(engine, probe)  # this engine's weights as dense float32 (int8 ones dequantized)
+    step_start = decode_step_time(engine, prompts, probe, floor_once)
     long_prompts = prompts_fn(engine.tokenizer, probe, args.input_len + args.output_len - 16)
-    step_end = decode_step_time(engine, long_prompts, probe)
+    step_end = decode_step_time(engine, long_prompts, probe, floor_once)
+    del floor_once
     own = own_gemm_step(engine, probe)
     tokenizer = engine.tokenizer
     del engine
@@ -200,7 +218,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--batches", default="32,64", help="max running sequences, comma-separated")
     ap.add_argument("--engines", default="cpu,cpu+int8", help=f"comma-separated, from {sorted(ENGINES)}; the "
-                    "first must be fp32 (its weights give the GEMM floors)")
+                    "first one's floors are HF's")
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--hf-num-prompts", type=int, default=32, help="HF runs this many prompts (a rate is measured)")
     ap.add_argument("--dtype", default="float32", help="engines' and HF's dtype; float32 is issue 14's floor, 'auto' "
@@ -244,11 +262,11 @@ def main() -> None:
         b=args.hf_batch, n=args.hf_num_prompts), "|---:|---:|---:|"]
     for threads in thread_counts:
         configure_threads(threads, wait_policy=WAIT_POLICY)
-        floors = None  # per thread count: the GEMMs scale with threads too
         results = {}
         for name in names:
-            floors, runs, probe, tokenizer, prompts = engine_rows(name, args, text_prompts, floors, batches)
-            results[name] = (runs, probe)
+            floors, runs, probe, tokenizer, prompts = engine_rows(name, args, text_prompts, batches)
+            results[name] = (floors, runs, probe)
+        floors = results[names[0]][0]  # HF's: the first engine's
         hf_tps = None
         if not args.skip_hf and not args.probe_only:
             from transformers import AutoModelForCausalLM
@@ -266,16 +284,16 @@ def main() -> None:
                            f"{hf_floor:.0f} s) |")
             del hf
         for name in names:
-            runs, (probe, s0, s1, own) = results[name]
+            floors, runs, (probe, s0, s1, own) = results[name]
             for b, (tps, wall) in runs.items():
                 fl = workload_floor(floors, args.num_prompts, b, args.input_len, args.output_len)
                 vs = f"{tps / hf_tps:.2f}x" if hf_tps else "-"
                 tput.append(f"| {threads} | {name} | {b} | {tps:.1f} | {vs} | {wall:.1f} s | {fl:.1f} s "
                             f"| {wall / fl:.2f}x |")
-            for label, slots, s in (("start of decode", args.input_len, s0),
-                                    ("end of decode", args.input_len + args.output_len, s1)):
-                steps.append(f"| {threads} | {name} | {label} | ~{slots} | {floors[probe] * 1e3:.1f} ms "
-                             f"| {s * 1e3:.1f} ms | {s / floors[probe]:.2f}x | {own * 1e3:.1f} ms | {s / own:.2f}x |")
+            for label, slots, (s, fl, ratio) in (("start of decode", args.input_len, s0),
+                                                 ("end of decode", args.input_len + args.output_len, s1)):
+                steps.append(f"| {threads} | {name} | {label} | ~{slots} | {fl * 1e3:.1f} ms "
+                             f"| {s * 1e3:.1f} ms | {ratio:.2f}x | {own * 1e3:.1f} ms | {s / own:.2f}x |")
     if args.probe_only:
         tput = []
     body = "\n".join(([*tput, ""] if tput else []) + steps
@@ -286,15 +304,20 @@ def main() -> None:
              f"{args.hf_num_prompts} of the prompts in static batches of {args.hf_batch}. Engines: "
              + "; ".join(f"{n} = {ENGINES[n]}" for n in names) + f". GEMM floor: torch's bare {dname} GEMMs (F.linear on the dense weights) of the same work "
              f"at the same threads (prefill GEMMs of every prompt, in 2048-token chunks, + one decode step of GEMMs "
-             f"and LM head per output token of each wave of 'max running' requests); the decode-step floor is one "
-             f"such step at 64 rows; 'the engine's own GEMMs': that step's linear layers and LM head through the "
+             f"and LM head per output token of each wave of 'max running' requests), measured from each engine's "
+             f"weights right before its workload (int8 ones dequantized; HF against the first engine's); the "
+             f"decode-step floor is one such step at 64 rows, timed in alternation with the engine's steps (step / "
+             f"floor: the median of the per-pair ratios); 'the engine's own GEMMs': that step's linear layers and LM "
+             f"head through the "
              f"engine's own modules (packed, int8 or F.linear). {waiting}. {time.perf_counter() - t_start:.0f} s.")
     if args.probe_only:
         body = "\n".join(steps) + (
             f"\n\nSmolLM2-135M-Instruct; the median pure decode step (every sequence running, no prompt token in the "
             f"step) with {min(64, args.num_prompts)} sequences of ~{args.input_len} and ~"
             f"{args.input_len + args.output_len} KV slots, against the bare {dname} GEMMs (+ LM head) of one step at "
-            f"that batch and thread count. Engines: " + "; ".join(f"{n} = {ENGINES[n]}" for n in names)
+            f"that batch and thread count, the two timed in alternation (step / floor: the median of the per-pair "
+            f"ratios; int8 engines against their weights dequantized). Engines: "
+            + "; ".join(f"{n} = {ENGINES[n]}" for n in names)
             + f". {waiting}. {time.perf_counter() - t_start:.0f} s.")
     print(body)
     if not args.no_write:

@@ -13,18 +13,14 @@
 // (arXiv:2205.14135) in base 2 (q is pre-scaled by scale * log2 e). Items are split over torch's own intra-op
 // OpenMP pool (at::parallel_for), so there is no second thread pool and torch.set_num_threads applies.
 //
-// Build: one translation unit, no -march: the AVX2+FMA code is compiled through `#pragma GCC target` and
-// chosen at run time with __builtin_cpu_supports; other CPUs take the portable path.
+// Build: no -march: the AVX2+FMA (and AVX-512) code is compiled through `#pragma GCC target` and chosen at run
+// time (csrc/simd.h); other CPUs take the portable path. The layers' elementwise ops are in csrc/layer_ops.cpp.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#define KVLLM_X86 1  // the AVX2 code below; elsewhere only the portable kernels are compiled
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <array>
@@ -34,6 +30,8 @@
 #include <optional>
 #include <type_traits>
 #include <vector>
+
+#include "simd.h"  // KVLLM_X86, the ISA levels, hsum, exp2_avx
 
 namespace kvllm_cpu {
 namespace {
@@ -49,7 +47,7 @@ struct Item {
 };
 
 struct Problem {
-  const void* q;      // [T, Hq, D] contiguous
+  const void* q;      // [T, Hq, D], heads and head_dim contiguous, tokens q_stride elements apart
   void* out;          // [T, Hq, D] contiguous, q's dtype
   const void* cache;  // [num_blocks, 2, bs, Hkv, D] contiguous
   DType q_dtype, kv_dtype;
@@ -57,7 +55,7 @@ struct Problem {
   const int32_t* kv_indptr;
   const int32_t* kv_indices;
   const int32_t* kv_lens;
-  int64_t hq, hkv, g, d, bs;
+  int64_t hq, hkv, g, d, bs, q_stride;
   int64_t block_stride, v_offset, slot_stride;  // elements
   float qscale;                                 // scale * log2(e)
 };
@@ -222,32 +220,6 @@ struct Portable {
 #ifdef KVLLM_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-
-inline float hsum(__m256 a) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
-
-// 2^x for x <= 0: x = n + f, |f| <= 1/2, 2^f by its degree-7 Taylor polynomial (relative error < 1e-8),
-// 2^n through the exponent bits. x is clamped at -126 so 2^n stays a normal float (2^-126 is ~1e-38: nil
-// next to the row's max term, which is 1).
-inline __m256 exp2_avx(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
-  __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-02f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 
 // 8 consecutive K/V elements as floats: half-precision caches are widened in registers (bf16 is the high half of a
 // float; fp16 through F16C), so a half cache is read at half the bytes with no conversion pass through memory.
@@ -522,7 +494,7 @@ void run_item(const Problem& P, const Item& it, Scratch<E>& sc) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t hh = it.h0 + r / rows_h, rr = r % rows_h;
     const int64_t t = q0 + it.i0 + rr / g, head = hh * g + rr % g;
-    load_row(P.q, P.q_dtype, (t * P.hq + head) * d, d, P.qscale, sc.qs.data() + r * d);
+    load_row(P.q, P.q_dtype, t * P.q_stride + head * d, d, P.qscale, sc.qs.data() + r * d);
     sc.m[r] = -std::numeric_limits<float>::infinity();
     sc.l[r] = 0.f;
   }
@@ -576,38 +548,6 @@ void run_items(const Problem& P, const std::vector<Item>& items, const std::vect
   });
 }
 
-bool cpu_has_avx2() {
-#ifdef KVLLM_X86
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
-
-// Instruction-set levels of the kernels: 0 portable, 1 AVX2 + FMA, 2 AVX-512F (+ AVX2). Every op takes a
-// `max_isa` (tests run each level on a machine that has it); the best level present is the default.
-int64_t best_isa() {
-#ifdef KVLLM_X86
-  static const int64_t level = [] {
-    if (!cpu_has_avx2()) return int64_t{0};
-    return __builtin_cpu_supports("avx512f") ? int64_t{2} : int64_t{1};
-  }();
-  return level;
-#else
-  return 0;
-#endif
-}
-
-int64_t pick_isa(int64_t max_isa) {
-  TORCH_CHECK_VALUE(max_isa >= 0 && max_isa <= 2, "max_isa must be 0 (portable), 1 (AVX2) or 2 (AVX-512), got ",
-                    max_isa);
-  return std::min(max_isa, best_isa());
-}
-
 DType dtype_of(const at::Tensor& t, const char* name) {
   switch (t.scalar_type()) {
     case at::kFloat: return DType::F32;
@@ -629,8 +569,10 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::
                      const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
                      double scale, at::Tensor& out, bool force_portable, int64_t max_isa) {
   const int64_t isa = force_portable ? 0 : pick_isa(max_isa);
-  TORCH_CHECK_VALUE(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(),
-                    "q must be a contiguous [T, Hq, D] CPU tensor");
+  // q may be a view into the fused qkv projection: only its heads and head_dim need to be contiguous
+  TORCH_CHECK_VALUE(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
+                        q.stride(0) >= q.size(1) * q.size(2),
+                    "q must be a [T, Hq, D] CPU tensor whose heads and head_dim are contiguous");
   TORCH_CHECK_VALUE(kv_cache.device().is_cpu() && kv_cache.dim() == 5 && kv_cache.size(1) == 2 &&
                         kv_cache.is_contiguous(),
                     "kv_cache must be a contiguous [num_blocks, 2, block_size, Hkv, D] CPU tensor");
@@ -710,7 +652,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   P.kv_indptr = kvp;
   P.kv_indices = idx;
   P.kv_lens = kv_lens.data();
-  P.hq = hq; P.hkv = hkv; P.g = g; P.d = d; P.bs = bs;
+  P.hq = hq; P.hkv = hkv; P.g = g; P.d = d; P.bs = bs; P.q_stride = q.stride(0);
   P.slot_stride = hkv * d;
   P.v_offset = bs * hkv * d;
   P.block_stride = 2 * bs * hkv * d;

@@ -73,6 +73,7 @@ class EngineConfig:
     kv_compression: Any = None
     attention_backend: str = "auto"
     gemm_backend: str = "auto"  # linear layers: "cpu" (packed float32 panels, C++), "torch", or "auto"
+    layer_ops: str = "auto"  # RMSNorm + residual, RoPE, SiLU-multiply: "cpu" (C++, float32), "torch", or "auto"
     watermark: float = 0.01
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -104,6 +105,8 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
         if self.gemm_backend not in GEMM_BACKENDS:
             raise ValueError(f"gemm_backend must be one of {GEMM_BACKENDS}, got {self.gemm_backend!r}")
+        if self.layer_ops not in GEMM_BACKENDS:
+            raise ValueError(f"layer_ops must be one of {GEMM_BACKENDS}, got {self.layer_ops!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         if self.gemm_backend == "cpu" and self.quantization is not None:

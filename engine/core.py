@@ -17,6 +17,7 @@ from engine.attention import get_backend
 from engine.config import EngineConfig, parse_dtype
 from engine.errors import InvalidRequestError
 from engine.model_runner import ModelRunner
+from engine.models.layer_ops import pick_layer_ops
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
@@ -74,6 +75,7 @@ class EngineCore:
             num_blocks = config.resolve_num_blocks(self.model_config, self.kv_dtype, self.device)
             host_blocks = config.host_blocks(self.model_config, self.kv_dtype)
             kv_manager = KVCacheManager
+        self.model.set_layer_ops(pick_layer_ops(config.layer_ops, self.model))
         cfg = self.model_config
         max_model_len = config.resolve_max_model_len(cfg.max_position_embeddings)
         self.max_model_len = config.fit_max_model_len(max_model_len, num_blocks)

@@ -1,9 +1,35 @@
 """KV storage: one tensor for all layers, each layer a FlashInfer NHD page tensor."""
 from __future__ import annotations
 
+import ctypes
 import math
+import sys
 
 import torch
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """A zeroed CPU tensor whose memory is advised to transparent huge pages (Linux), or None where that cannot be
+    done. Why: attention walks a few KiB per block at shuffled block addresses; with 4 KiB pages every block is
+    several TLB misses and hardware prefetchers stop at each page boundary (docs/benchmarks.md measures the
+    attention call on both)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < _HUGE_PAGE:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)  # not touched yet: advised before first use
+        start = -buf.data_ptr() % _HUGE_PAGE
+        if libc.madvise(ctypes.c_void_p(buf.data_ptr() + start), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE) != 0:
+            return None  # no THP in this kernel: plain pages
+    except (OSError, AttributeError):
+        return None
+    return buf[start:start + nbytes].view(dtype).view(shape).zero_()
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -23,8 +49,9 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.data = torch.zeros(num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=dtype,
-                                device=device)
+        shape = (num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim)
+        huge = _zeros_in_huge_pages(shape, dtype) if torch.device(device).type == "cpu" else None
+        self.data = huge if huge is not None else torch.zeros(shape, dtype=dtype, device=device)
         self.layers = list(self.data.unbind(0))
 
     @property

@@ -72,6 +72,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gemm-backend", choices=["auto", "cpu", "torch"], default=None,
                    help="linear layers: cpu = packed float32 panels through the C++ kernel, torch = F.linear "
                         "(default auto: cpu on an AVX2 CPU for float32 unquantized models, else torch)")
+    g.add_argument("--layer-ops", choices=["auto", "cpu", "torch"], default=None,
+                   help="RMSNorm (+ residual add), RoPE, SiLU-multiply: cpu = the C++ ops, torch = torch ops "
+                        "(default auto: cpu for a float32 model on the CPU, else torch)")
     g.add_argument("--threads", type=_nonneg_int, default=None,
                    help="CPU intra-op threads (default: every core, with a passive OpenMP wait policy)")
     g.add_argument("--kv-cache-dtype", default=None,
@@ -162,7 +165,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     for name in ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
                  "max_num_seqs", "max_num_batched_tokens", "attention_backend", "seed", "enable_prefix_caching",
-                 "quantization", "kv_cache_dtype", "gemm_backend",
+                 "quantization", "kv_cache_dtype", "gemm_backend", "layer_ops",
                  "scheduling_policy", "admission_optimism", "projected_output_len", "preemption_mode", "swap_space",
                  "lossless_host_memory",
                  "compress_before_preempt", "tensor_parallel_size"):

@@ -42,12 +42,12 @@ class PageTable:
 class Runner:
     """Drives DecoderLM step by step over a paged cache with shuffled, non-contiguous blocks."""
 
-    def __init__(self, model, config, seed=0, block_size=4, num_blocks=96, dtype=torch.float32):
+    def __init__(self, model, config, seed=0, block_size=4, num_blocks=96, dtype=torch.float32, attn=None):
         self.model, self.config = model, config
         self.pages = PageTable(num_blocks, block_size, seed=seed)
         self.caches = new_kv_cache(config.num_layers, num_blocks, block_size, config.num_kv_heads,
                                    config.head_dim, dtype)
-        self.attn = TorchPagedBackend()
+        self.attn = attn or TorchPagedBackend()
 
     def _inputs(self, chunks, positions, write):
         meta = self.pages.step({s: len(t) for s, t in chunks.items()}, write=write)
@@ -124,9 +124,9 @@ def new_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads
     return list(kv.unbind(0))
 
 
-def tiny_decoder_pair(arch: str, transform):
-    """A tiny random DecoderLM (weights N(0, 0.1)) and a copy of it passed through `transform` (e.g. a weight
-    repacking or quantization): (config, model, transformed)."""
+def tiny_decoder_pair(arch: str, transform, std: float = 0.1, dtype=torch.float32):
+    """A tiny random DecoderLM in `dtype` (weights N(0, std)) and a float32 copy of it passed through `transform`
+    (e.g. a weight repacking, quantization, other layer ops): (config, model, transformed)."""
     from torch import nn
 
     from engine.models.config import ModelConfig
@@ -134,11 +134,11 @@ def tiny_decoder_pair(arch: str, transform):
 
     c = ModelConfig.from_hf(tiny_hf_config(arch))
     torch.manual_seed(0)
-    model = DecoderLM(c).eval()
+    model = DecoderLM(c).to(dtype).eval()
     for p in model.parameters():
-        nn.init.normal_(p, std=0.1)
+        nn.init.normal_(p, std=std)
     other = DecoderLM(c).eval()
-    other.load_state_dict(model.state_dict())
+    other.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     return c, model, transform(other)
 
 

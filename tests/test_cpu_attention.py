@@ -111,6 +111,22 @@ def test_mixed_prefill_and_decode_match_reference(level, bs, hq, hkv, d):
 
 
 @pytest.mark.parametrize("level", KERNELS)
+def test_q_and_kv_as_views_into_the_qkv_projection(level):
+    """The model hands q, k and v as views into one [T, (Hq + 2 Hkv) D] projection output (rows Hq*D + 2 Hkv*D
+    apart): the kernel reads q and writes k/v through those strides, with the contiguous copies' result."""
+    hq, hkv, d = 9, 3, 16
+    cache, meta, q, k, v = make_step(MIXED_Q, MIXED_PREFIX, hq, hkv, d, 4, seed=11)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    qv, kv_, vv = (t.view(-1, h, d) for t, h in zip(qkv.split([hq * d, hkv * d, hkv * d], dim=1), (hq, hkv, hkv)))
+    assert not qv.is_contiguous() and qv.stride(0) == (hq + 2 * hkv) * d
+    strided_cache = cache.clone()
+    out = run(kernel(level), meta, qv, kv_, vv, strided_cache, 0.25)
+    ref = run(kernel(level), meta, q, k, v, cache, 0.25)
+    assert torch.equal(strided_cache, cache) and torch.equal(out, ref)
+    assert max_err(out, cache, meta, q, 0.25) < 1e-5
+
+
+@pytest.mark.parametrize("level", KERNELS)
 def test_decode_only_many_sequences(level):
     lens = [1, 2, 15, 16, 17, 31, 32, 33, 64, 100, 257, 3, 500]
     q_lens, prefix = {s: 1 for s in range(len(lens))}, {s: n - 1 for s, n in enumerate(lens)}
@@ -262,7 +278,7 @@ def test_bad_inputs_raise_value_errors_naming_the_field():
         _call(q, cache, meta, kv_indptr=bad_indptr)
     with pytest.raises(ValueError, match="q must be"):
         _call(q.double(), cache, meta)
-    with pytest.raises(ValueError, match="q must be a contiguous"):
+    with pytest.raises(ValueError, match="heads and head_dim are contiguous"):
         _call(q.transpose(0, 1), cache, meta)
     with pytest.raises(ValueError, match="out must be"):
         _call(q, cache, meta, out=torch.empty(1))
@@ -289,12 +305,16 @@ def test_auto_falls_back_to_torch_with_a_warning(monkeypatch, caplog):
         get_backend("cpu", "cpu")  # asked for by name: an error, not a silent fallback
 
 
-def test_a_changed_source_never_loads_a_stale_build(tmp_path, monkeypatch):
-    src = tmp_path / "cpu_attention.cpp"
-    shutil.copy(cpu_ext.SOURCE, src)
-    monkeypatch.setattr(cpu_ext, "SOURCE", src)
+@pytest.mark.parametrize("which", ["kvllm_cpu.cpp", "layer_ops.cpp", "simd.h"])
+def test_a_changed_source_never_loads_a_stale_build(tmp_path, monkeypatch, which):
+    copies = {}
+    for f in cpu_ext.SOURCES + cpu_ext.HEADERS:
+        copies[f.name] = tmp_path / f.name
+        shutil.copy(f, copies[f.name])
+    monkeypatch.setattr(cpu_ext, "SOURCES", [copies[f.name] for f in cpu_ext.SOURCES])
+    monkeypatch.setattr(cpu_ext, "HEADERS", [copies[f.name] for f in cpu_ext.HEADERS])
     before = cpu_ext.library_path()
-    src.write_text(src.read_text() + "\n// changed\n")
+    copies[which].write_text(copies[which].read_text() + "\n// changed\n")
     assert cpu_ext.library_path() != before
 
 
@@ -318,18 +338,9 @@ def test_a_failed_compile_is_not_retried_by_every_process(tmp_path, monkeypatch)
 def test_model_with_positions_ahead_of_kv_len_matches_float64():
     """A tiny DecoderLM decoding after 'compaction': RoPE positions run far ahead of the KV slots. The kernel's
     float32 logits match the float64 model on the reference-checked torch backend."""
-    from helpers_models import new_kv_cache, tiny_hf_config
+    from helpers_models import new_kv_cache, tiny_decoder_pair
 
-    from engine.models.config import ModelConfig
-    from engine.models.llama import DecoderLM
-
-    c = ModelConfig.from_hf(tiny_hf_config("llama"))
-    torch.manual_seed(0)
-    model64 = DecoderLM(c).double().eval()
-    for p in model64.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    model32 = DecoderLM(c).float().eval()
-    model32.load_state_dict({k: v.float() for k, v in model64.state_dict().items()})
+    c, model64, model32 = tiny_decoder_pair("llama", lambda m: m, std=0.2, dtype=torch.float64)
     bs, nb = 4, 40
     caches64 = new_kv_cache(c.num_layers, nb, bs, c.num_kv_heads, c.head_dim, torch.float64)
     caches32 = new_kv_cache(c.num_layers, nb, bs, c.num_kv_heads, c.head_dim, torch.float32)

@@ -217,3 +217,19 @@ def test_manager_invariants_catch_a_ref_count_that_no_table_explains(corrupt):
         b.kv_len = 0
     with pytest.raises(AssertionError):
         kv.check_invariants([a, b])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_large_kv_cache_is_zeroed_contiguous_and_huge_page_aligned(dtype):
+    """Over 2 MiB the pages are allocated advised to transparent huge pages (paging/kv_cache.py): the tensor must
+    still be one zeroed, contiguous [L, N, 2, bs, Hkv, D] tensor whose layer views write through, on a 2 MiB
+    boundary where the platform allows it."""
+    import sys
+
+    c = KVCache(3, 700, 16, 3, 64, dtype)
+    assert c.data.shape == (3, 700, 2, 16, 3, 64) and c.data.dtype == dtype and c.data.is_contiguous()
+    assert c.nbytes > 2 << 20 and not c.data.any()
+    if sys.platform.startswith("linux"):
+        assert c.data.data_ptr() % (2 << 20) == 0
+    c.layers[2][699, 1, 15, 2, 63] = 1
+    assert c.data.flatten()[-1] == 1 and c.data.sum() == 1

@@ -14,16 +14,33 @@ HF_MODULES = {"llama": "transformers.models.llama.modeling_llama",
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+def _kernels_available() -> bool:
+    from engine.attention import cpu_ext
+
+    return cpu_ext.is_available()
+
+
+# "torch": torch ops and the torch attention backend (the reference path); "cpu": the engine's CPU path, the C++
+# layer ops (engine/models/layer_ops.py) and the C++ paged-attention kernel
+@pytest.fixture(scope="module", params=[(a, k) for k in ("torch", "cpu") for a in ARCHS], ids=lambda p: "-".join(p))
 def tiny(request, tmp_path_factory):
-    arch = request.param
+    arch, kernels = request.param
+    if kernels == "cpu" and not _kernels_available():
+        pytest.skip("C++ extension unavailable")
     path = tmp_path_factory.mktemp(arch)
     hf = make_tiny_hf_model(arch, path, seed=ARCHS.index(arch))
     save_tiny_tokenizer(path)
     model, config, tokenizer = load_model(str(path), torch.float32, "cpu")
     assert config.architecture == hf.config.architectures[0]
     assert tokenizer is not None and tokenizer.eos_token_id in config.eos_token_ids
-    return arch, hf, model, config
+    attn = None
+    if kernels == "cpu":
+        from engine.attention.cpu_paged import CpuPagedBackend
+        from engine.models.layer_ops import CpuLayerOps
+
+        model.set_layer_ops(CpuLayerOps())
+        attn = CpuPagedBackend()
+    return arch, hf, model, config, attn
 
 
 def hf_greedy(hf, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
@@ -46,11 +63,11 @@ def max_diff(a, b):
 
 
 def test_prefill_then_16_decode_steps_match_hf(tiny):
-    arch, hf, model, config = tiny
+    arch, hf, model, config, attn = tiny
     steps = 16
     ps = prompts()
     refs = [hf_greedy(hf, p, steps) for p in ps]
-    run = Runner(model, config, seed=1)
+    run = Runner(model, config, seed=1, attn=attn)
     diffs = []
     out = run.step({s: p for s, p in enumerate(ps)}, {s: list(range(len(p))) for s, p in enumerate(ps)})
     for s, (tokens, ref) in enumerate(refs):
@@ -70,10 +87,10 @@ def test_prefill_then_16_decode_steps_match_hf(tiny):
 
 
 def test_chunked_prefill_mixed_with_decode_matches_hf(tiny):
-    arch, hf, model, config = tiny
+    arch, hf, model, config, attn = tiny
     ps = prompts(4, seed=2)
     toks, refs = zip(*(hf_greedy(hf, p, 4) for p in ps))
-    run = Runner(model, config, seed=2)
+    run = Runner(model, config, seed=2, attn=attn)
     done = [0] * 4
     schedule = [{0: 5, 1: 6}, {0: 1, 1: 5, 2: 3}, {0: 1, 1: 1, 2: 5, 3: 14}, {3: 1, 2: 1, 1: 1, 0: 1}]
     diffs = []
@@ -110,11 +127,11 @@ def hf_queries(arch, hf, ids, positions) -> torch.Tensor:
 def test_logical_positions_beyond_kv_slots(tiny):
     """Positions with a gap (as after compression): token at position p is rotated by p although its KV slot
     is smaller; logits and recomputed queries match HF run with the same position_ids."""
-    arch, hf, model, config = tiny
+    arch, hf, model, config, attn = tiny
     ids = prompts(1, seed=3)[0] + [7, 9, 11]  # 8 tokens
     positions = [0, 1, 2, 3, 40, 41, 42, 43]
     ref_q, ref_logits = hf_queries(arch, hf, ids, positions)
-    run = Runner(model, config, seed=3)
+    run = Runner(model, config, seed=3, attn=attn)
     out = run.step({0: ids[:6]}, {0: positions[:6]})[0]  # prefill slots 0..5
     out2 = run.step({0: ids[6:]}, {0: positions[6:]})[0]  # chunk at slots 6..7, positions 42, 43
     assert max_diff(torch.cat([out, out2]), ref_logits) <= TOL
@@ -132,9 +149,9 @@ def test_logical_positions_beyond_kv_slots(tiny):
 
 def test_recompute_queries_batched_matches_hf(tiny):
     """Several sequences in the cache; recompute a suffix of each (different lengths, one full sequence)."""
-    arch, hf, model, config = tiny
+    arch, hf, model, config, attn = tiny
     ps = prompts(3, seed=4)
-    run = Runner(model, config, seed=4)
+    run = Runner(model, config, seed=4, attn=attn)
     run.step({s: p for s, p in enumerate(ps)}, {s: list(range(len(p))) for s, p in enumerate(ps)})
     suffix = {0: 1, 1: 4, 2: len(ps[2])}
     q = run.queries({s: ps[s][-n:] for s, n in suffix.items()},

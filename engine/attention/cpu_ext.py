@@ -1,9 +1,10 @@
-"""Builds and loads kvllm's CPU kernels (csrc/kvllm_cpu.cpp: paged attention, int8 linear) as a torch op library.
+"""Builds and loads kvllm's CPU kernels as one torch op library: csrc/kvllm_cpu.cpp (paged attention, int8 and packed
+float32 linear) and csrc/layer_ops.cpp (RMSNorm, RoPE, SiLU-multiply, K/V writes), with csrc/simd.h.
 
-The library is compiled with one direct compiler call (no ninja, no pybind11: the op is registered with
-TORCH_LIBRARY and loaded with torch.ops.load_library), which takes ~20 s on 2 cores. Its file name carries a hash
-of the source, the compile command and the torch version, so a changed source or another torch never loads a
-stale build: it is rebuilt on first use. `make install` builds it ahead (`python -m engine.attention.cpu_ext`) so
+The library is compiled with one direct compiler call (no ninja, no pybind11: the ops are registered with
+TORCH_LIBRARY and loaded with torch.ops.load_library). Its file name carries a hash of the sources, the compile
+command and the torch version, so a changed source or another torch never loads a stale build: it is rebuilt on
+first use. `make install` builds it ahead (`python -m engine.attention.cpu_ext`) so
 tests and servers do not pay the compile; without a compiler the engine falls back to the torch backend.
 
 Build directory: $KVLLM_BUILD_DIR, else <repo>/build/cpu_ext (git-ignored), else ~/.cache/kvllm/cpu_ext.
@@ -24,7 +25,9 @@ from pathlib import Path
 logger = logging.getLogger("kvllm.attention")
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCE = REPO / "csrc" / "kvllm_cpu.cpp"
+CSRC = REPO / "csrc"
+SOURCES = [CSRC / "kvllm_cpu.cpp", CSRC / "layer_ops.cpp"]
+HEADERS = [CSRC / "simd.h"]
 _NAME = "kvllm_cpu"
 
 _lock = threading.Lock()
@@ -57,7 +60,7 @@ def compiler() -> str | None:
     return shutil.which("c++") or shutil.which("g++")
 
 
-def _command(cxx: str, src: Path, out: Path) -> list[str]:
+def _command(cxx: str, srcs: list[Path], out: Path) -> list[str]:
     import torch
     from torch.utils import cpp_extension
 
@@ -68,7 +71,7 @@ def _command(cxx: str, src: Path, out: Path) -> list[str]:
     # built on one machine runs on any x86-64 (and non-x86 takes the portable path). -fopenmp only makes the
     # at::parallel_for header use OpenMP: libgomp.so.1 resolves to the copy torch already loaded (one pool).
     return [cxx, "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-DNDEBUG", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            "-fvisibility=hidden", *incs, str(src), "-o", str(out), f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
+            "-fvisibility=hidden", *incs, *map(str, srcs), "-o", str(out), f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
             f"-Wl,-rpath,{torch_lib}"]
 
 
@@ -77,8 +80,10 @@ def library_path(cxx: str | None = None) -> Path:
     import torch
 
     cxx = cxx or compiler() or "c++"
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(" ".join(_command(Path(cxx).name, Path("src"), Path("out"))).encode())
+    h = hashlib.sha256()
+    for f in SOURCES + HEADERS:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    h.update(" ".join(_command(Path(cxx).name, [Path(f.name) for f in SOURCES], Path("out"))).encode())
     h.update(torch.__version__.encode())
     h.update(sys.platform.encode())
     return build_dir() / f"{_NAME}_{h.hexdigest()[:16]}.so"
@@ -88,8 +93,9 @@ def build(verbose: bool = False, retry: bool = False) -> Path:
     """Compile the library unless an up-to-date build exists; returns its path. Raises ExtensionUnavailable.
     A failed compile leaves <library>.failed so later processes do not spend the compile time again on the same
     source (`retry=True`, as `python -m engine.attention.cpu_ext` does, tries anyway)."""
-    if not SOURCE.exists():
-        raise ExtensionUnavailable(f"{SOURCE} not found (kvllm is not installed from its source tree)")
+    missing = [str(f) for f in SOURCES + HEADERS if not f.exists()]
+    if missing:
+        raise ExtensionUnavailable(f"{', '.join(missing)} not found (kvllm is not installed from its source tree)")
     cxx = compiler()
     if cxx is None:
         raise ExtensionUnavailable("no C++ compiler found (set CXX or install g++)")
@@ -109,7 +115,7 @@ def build(verbose: bool = False, retry: bool = False) -> Path:
             return out
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        cmd = _command(cxx, SOURCE, Path(tmp))
+        cmd = _command(cxx, SOURCES, Path(tmp))
         if verbose:
             print(" ".join(cmd), flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -117,7 +123,8 @@ def build(verbose: bool = False, retry: bool = False) -> Path:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             failed.write_text(" ".join(cmd) + "\n" + proc.stderr[-4000:])
-            raise ExtensionUnavailable(f"compiling {SOURCE.name} failed:\n{proc.stderr[-4000:]}")
+            raise ExtensionUnavailable(f"compiling {', '.join(f.name for f in SOURCES)} failed:\n"
+                                       f"{proc.stderr[-4000:]}")
         os.replace(tmp, out)  # atomic: a concurrent loader sees the old state or the whole library
         failed.unlink(missing_ok=True)
         for old in out.parent.glob(f"{_NAME}_*"):  # builds (and failure notes) of older sources
@@ -159,9 +166,9 @@ def main() -> int:
     try:
         path = build(verbose=True, retry=True)
     except ExtensionUnavailable as exc:
-        print(f"warning: CPU attention kernel not built, the torch backend will be used: {exc}", file=sys.stderr)
+        print(f"warning: CPU kernels not built, the torch backend and torch ops will be used: {exc}", file=sys.stderr)
         return 1
-    print(f"CPU attention kernel: {path}")
+    print(f"CPU kernels: {path}")
     return 0
 
 

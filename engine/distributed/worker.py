@@ -165,10 +165,12 @@ class Worker:
     def _init(self, op: P.Init) -> None:
         from engine.distributed.kv import local_kv_heads
         from engine.loader import load_shard
+        from engine.models.layer_ops import pick_layer_ops
 
         try:
             self.config, self.dtype = op.config, op.dtype
             self.model = load_shard(op.source, op.dtype, self.device, self.tp)
+            self.model.set_layer_ops(pick_layer_ops(op.config.layer_ops, self.model))
             self.model_config = op.source.config
             capacity = op.config.resolve_num_blocks(self.model_config, op.dtype, self.device,
                                                     local_kv_heads(self.model_config, self.tp))

@@ -24,18 +24,21 @@ from engine.distributed.layers import (MergedColumnParallelLinear, ParallelLMHea
                                        vocab_parallel_logits)
 from engine.distributed.parallel_state import NO_TP, TPGroup
 from engine.models.config import ModelConfig
+from engine.models.layer_ops import TORCH_LAYER_OPS, TorchLayerOps
 
 
 class RMSNorm(nn.Module):
+    ops: TorchLayerOps = TORCH_LAYER_OPS  # DecoderLM.set_layer_ops swaps it for every module
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm(x); with `residual`: (RMSNorm(x + residual), x + residual), the sum possibly in residual's
+        storage (the C++ ops add in place)."""
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -59,7 +62,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class Rotary:
-    """cos/sin tables [max_positions, D/2] in float32, built once per device, indexed by positions."""
+    """cos/sin tables [max_positions, D/2] in float32, built once per device, indexed by positions: [T, D/2]."""
 
     def __init__(self, config: ModelConfig) -> None:
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -74,17 +77,13 @@ class Rotary:
             tables = self._tables[positions.device] = (freqs.cos().to(positions.device),
                                                        freqs.sin().to(positions.device))
         cos, sin = tables
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D/2]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on [T, H, D] in float32."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return cos[positions], sin[positions]
 
 
 class Attention(nn.Module):
     """Self-attention over this rank's heads (all heads when unsharded)."""
+
+    ops: TorchLayerOps = TORCH_LAYER_OPS
 
     def __init__(self, c: ModelConfig, tp: TPGroup = NO_TP) -> None:
         super().__init__()
@@ -100,13 +99,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
     def forward(self, x, cos, sin, kv_cache, attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+        # q, k, v stay views into the projection's output (the C++ RoPE rotates them there)
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_q_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.ops.rope(q, k, cos, sin)
         if meta.capture is not None:
             meta.capture.add(q)
         o = attn.forward(q, k, v, kv_cache, meta, self.scale)
@@ -119,10 +119,12 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_q_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return apply_rope(q, cos, sin)
+        return self.ops.rope(q, None, cos, sin)[0]
 
 
 class MLP(nn.Module):
+    ops: TorchLayerOps = TORCH_LAYER_OPS
+
     def __init__(self, c: ModelConfig, tp: TPGroup = NO_TP) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(c.hidden_size, [c.intermediate_size] * 2, c.mlp_bias, tp)
@@ -130,8 +132,7 @@ class MLP(nn.Module):
                                            what="intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -142,9 +143,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c, tp)
 
-    def forward(self, h, cos, sin, kv_cache, attn, meta) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, attn, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, residual, cos, sin, kv_cache, attn, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) -> (this layer's MLP output, the residual stream before it); the residual adds happen in
+        the norms (vLLM's form), residual=None on the first layer. Layer i's output is the sum of the two."""
+        h, residual = self.norm_input(h, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, attn, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+    def norm_input(self, h, residual) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.input_layernorm(h), h
+        return self.input_layernorm(h, residual)
 
 
 # HF checkpoint projection name -> (our fused parameter, shard index)
@@ -175,11 +185,21 @@ class DecoderLM(nn.Module):
                 attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         """[T] ids and logical positions -> final-normed hidden states [T, hidden]. attn.plan() is the
         caller's job."""
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, attn, meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_cache, attn, meta)
+        return self.norm(h, residual)[0]
+
+    def set_layer_ops(self, ops: TorchLayerOps) -> None:
+        """The implementation of the layers' norms, RoPE and SiLU-multiply (engine/models/layer_ops.py)."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP)):
+                m.ops = ops
+
+    @property
+    def layer_ops(self) -> TorchLayerOps:
+        return self.norm.ops
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, all_ranks: bool = False) -> torch.Tensor | None:
@@ -197,15 +217,17 @@ class DecoderLM(nn.Module):
         c = self.config
         out = torch.empty(c.num_layers, input_ids.shape[0], self.num_local_q_heads, c.head_dim,
                           dtype=self.embed_tokens.weight.dtype, device=input_ids.device)
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             sa = layer.self_attn
-            out[i] = q = sa.queries(layer.input_layernorm(h), cos, sin)
+            x, residual = layer.norm_input(h, residual)
+            out[i] = q = sa.queries(x, cos, sin)
             if i == c.num_layers - 1:
                 break
-            h = h + sa.o_proj(attn.forward(q, None, None, kv_cache, meta, sa.scale).flatten(1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = sa.o_proj(attn.forward(q, None, None, kv_cache, meta, sa.scale).flatten(1))
+            h, residual = layer.post_attention_layernorm(h, residual)
+            h = layer.mlp(h)
         return out
 
     # ---- weights -------------------------------------------------------------------------------------------

@@ -1,0 +1,301 @@
+// The elementwise work of a decoder layer as few CPU calls (torch.ops.kvllm_cpu.*), float32 activations:
+//   rms_norm(x, weight, eps, out, residual?)  out = RMSNorm(x); with a residual: residual += x, out = RMSNorm(residual)
+//   rope_(q, k, cos, sin)                     rotate-half RoPE, in place, on q [T, Hq, D] and k [T, Hkv, D]
+//   silu_mul(x, out)                          out = silu(x[:, :I]) * x[:, I:]   (x = the fused gate/up projection)
+//   write_kv(k, v, kv_cache, slot_mapping)    new K/V rows into their page slots, converted to the cache's dtype
+// Why: written in torch these are ~25 ops a layer, and each op over more than 32K elements (a decode step of 64
+// sequences already has 36K hidden values) is an OpenMP parallel region. Under passive waiting
+// (engine/threads.py) every region wakes the sleeping workers, which at 2 threads costs more than the op's own
+// work. Here each op runs on the calling thread unless its call has at least kParallelWork elements (a prefill
+// chunk), so a decode step's only parallel regions are the GEMMs and the attention call.
+// Inputs may be row-strided views (q/k/v and gate/up are slices of one projection output): rows are addressed
+// through their stride, the last dimension must be contiguous.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+#include "simd.h"
+
+namespace kvllm_cpu {
+namespace {
+
+// Elements a call needs before its rows are split over the threads (~100 us of work on one core).
+constexpr int64_t kParallelWork = 1 << 18;
+
+template <typename F>
+void for_rows(int64_t rows, int64_t work_per_row, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, work_per_row));
+  at::parallel_for(0, rows, grain, f);
+}
+
+void check_rows(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == dim && t.stride(-1) == 1,
+                    name, " must be a float32 CPU tensor of ", dim, " dimensions whose last dimension is contiguous");
+}
+
+// ---- portable loops --------------------------------------------------------------------------------------
+float sum_squares_portable(const float* x, int64_t n) {
+  float acc = 0.f;
+  for (int64_t i = 0; i < n; ++i) acc += x[i] * x[i];
+  return acc;
+}
+
+void add_rows_portable(float* res, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) res[i] += x[i];
+}
+
+void scale_rows_portable(float* out, const float* x, const float* w, float inv, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+void rope_row_portable(float* x, const float* c, const float* s, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * c[i] - x2 * s[i];
+    x[i + half] = x2 * c[i] + x1 * s[i];
+  }
+}
+
+void silu_mul_row_portable(float* out, const float* gate, const float* up, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+// ---- AVX2 loops ------------------------------------------------------------------------------------------
+#ifdef KVLLM_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+float sum_squares_avx2(const float* x, int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    a0 = _mm256_fmadd_ps(v0, v0, a0);
+    a1 = _mm256_fmadd_ps(v1, v1, a1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    a0 = _mm256_fmadd_ps(v, v, a0);
+  }
+  float sum = hsum(_mm256_add_ps(a0, a1));
+  for (; i < n; ++i) sum += x[i] * x[i];
+  return sum;
+}
+
+void add_rows_avx2(float* res, const float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(res + i, _mm256_add_ps(_mm256_loadu_ps(res + i), _mm256_loadu_ps(x + i)));
+  for (; i < n; ++i) res[i] += x[i];
+}
+
+// w * (x * inv), rounded as the torch module computes it (two products, no FMA)
+void scale_rows_avx2(float* out, const float* x, const float* w, float inv, int64_t n) {
+  const __m256 iv = _mm256_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), iv)));
+  for (; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+void rope_row_avx2(float* x, const float* c, const float* s, int64_t half) {
+  int64_t i = 0;
+  for (; i + 8 <= half; i += 8) {
+    const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + i + half);
+    const __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+    _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
+    _mm256_storeu_ps(x + i + half, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
+  }
+  for (; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * c[i] - x2 * s[i];
+    x[i + half] = x2 * c[i] + x1 * s[i];
+  }
+}
+
+// silu(g) * u = g / (1 + e^-g) * u, with e^-g = 2^(-g log2 e) (exp2_avx clamps the exponent to +-126: for
+// g < -87 the result is ~0 either way)
+void silu_mul_row_avx2(float* out, const float* gate, const float* up, int64_t n) {
+  const __m256 neg_log2e = _mm256_set1_ps(-1.4426950408889634f), one = _mm256_set1_ps(1.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = exp2_avx(_mm256_mul_ps(g, neg_log2e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+#pragma GCC pop_options
+#endif  // KVLLM_X86
+
+struct Loops {
+  float (*sum_squares)(const float*, int64_t);
+  void (*add_rows)(float*, const float*, int64_t);
+  void (*scale_rows)(float*, const float*, const float*, float, int64_t);
+  void (*rope_row)(float*, const float*, const float*, int64_t);
+  void (*silu_mul_row)(float*, const float*, const float*, int64_t);
+};
+
+Loops loops(int64_t max_isa) {
+#ifdef KVLLM_X86
+  if (pick_isa(max_isa) >= 1)
+    return {sum_squares_avx2, add_rows_avx2, scale_rows_avx2, rope_row_avx2, silu_mul_row_avx2};
+#else
+  pick_isa(max_isa);  // still checks the argument
+#endif
+  return {sum_squares_portable, add_rows_portable, scale_rows_portable, rope_row_portable, silu_mul_row_portable};
+}
+
+// ---- ops -------------------------------------------------------------------------------------------------
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out,
+              const std::optional<at::Tensor>& residual, int64_t max_isa) {
+  check_rows(x, "x", 2);
+  check_rows(out, "out", 2);
+  const int64_t n = x.size(0), h = x.size(1);
+  TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                        weight.dim() == 1 && weight.size(0) == h,
+                    "weight must be a contiguous float32 CPU tensor of ", h, " entries (x's last dimension)");
+  TORCH_CHECK_VALUE(out.size(0) == n && out.size(1) == h, "out must have x's shape");
+  if (residual) {
+    check_rows(*residual, "residual", 2);
+    TORCH_CHECK_VALUE(residual->size(0) == n && residual->size(1) == h, "residual must have x's shape");
+  }
+  const Loops L = loops(max_isa);
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* rp = residual ? residual->data_ptr<float>() : nullptr;
+  const int64_t xs = x.stride(0), os = out.stride(0), rs = residual ? residual->stride(0) : 0;
+  const float feps = static_cast<float>(eps);
+  for_rows(n, h, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* src = xp + r * xs;
+      if (rp) {  // residual += x, then normalise the sum; x is read before out is written (out may alias x)
+        L.add_rows(rp + r * rs, src, h);
+        src = rp + r * rs;
+      }
+      const float inv = 1.f / std::sqrt(L.sum_squares(src, h) / static_cast<float>(h) + feps);
+      L.scale_rows(op + r * os, src, w, inv, h);
+    }
+  });
+}
+
+void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, int64_t max_isa) {
+  check_rows(q, "q", 3);
+  check_rows(k, "k", 3);
+  check_rows(cos, "cos", 2);
+  check_rows(sin, "sin", 2);
+  const int64_t t = q.size(0), d = q.size(2);
+  TORCH_CHECK_VALUE(d % 2 == 0 && k.size(2) == d && k.size(0) == t, "q [T, Hq, D] and k [T, Hkv, D] must share T "
+                    "and an even D, got ", q.sizes(), " and ", k.sizes());
+  TORCH_CHECK_VALUE(cos.sizes() == sin.sizes() && cos.size(0) == t && cos.size(1) == d / 2,
+                    "cos and sin must be [T, D/2] = [", t, ", ", d / 2, "], got ", cos.sizes(), " and ", sin.sizes());
+  const Loops L = loops(max_isa);
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t half = d / 2, cs = cos.stride(0), ss = sin.stride(0);
+  struct Heads {
+    float* p;
+    int64_t n, token_stride, head_stride;
+  };
+  const Heads qk[2] = {{q.data_ptr<float>(), q.size(1), q.stride(0), q.stride(1)},
+                       {k.data_ptr<float>(), k.size(1), k.stride(0), k.stride(1)}};
+  for_rows(t, (q.size(1) + k.size(1)) * d, [&](int64_t t0, int64_t t1) {
+    for (int64_t i = t0; i < t1; ++i)
+      for (const Heads& x : qk)
+        for (int64_t h = 0; h < x.n; ++h) L.rope_row(x.p + i * x.token_stride + h * x.head_stride, cp + i * cs,
+                                                     sp + i * ss, half);
+  });
+}
+
+void silu_mul(const at::Tensor& x, at::Tensor& out, int64_t max_isa) {
+  check_rows(x, "x", 2);
+  check_rows(out, "out", 2);
+  const int64_t n = x.size(0), inter = x.size(1) / 2;
+  TORCH_CHECK_VALUE(x.size(1) % 2 == 0 && out.size(0) == n && out.size(1) == inter,
+                    "x must be [N, 2I] (gate then up) and out [N, I], got ", x.sizes(), " and ", out.sizes());
+  const Loops L = loops(max_isa);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  for_rows(n, inter, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) L.silu_mul_row(op + r * os, xp + r * xs, xp + r * xs + inter, inter);
+  });
+}
+
+// token t's [Hkv, D] rows of src (head_dim contiguous, any token and head strides) into dst, converted
+template <typename Src, typename Dst>
+void copy_heads(const at::Tensor& src, Dst* dst, int64_t t) {
+  const Src* s = src.data_ptr<Src>() + t * src.stride(0);
+  const int64_t heads = src.size(1), d = src.size(2), hs = src.stride(1);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < d; ++i) dst[h * d + i] = static_cast<Dst>(static_cast<float>(s[h * hs + i]));
+}
+
+template <typename Src, typename Dst>
+void write_kv_typed(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache, const int64_t* slots) {
+  const int64_t t = k.size(0), bs = cache.size(2), row = cache.size(3) * cache.size(4);
+  Dst* base = cache.data_ptr<Dst>();
+  for_rows(t, 2 * row, [&](int64_t t0, int64_t t1) {
+    for (int64_t i = t0; i < t1; ++i) {
+      const int64_t block = slots[i] / bs, off = slots[i] - block * bs;
+      Dst* kdst = base + ((block * 2) * bs + off) * row;  // [block, 0, off]
+      copy_heads<Src, Dst>(k, kdst, i);
+      copy_heads<Src, Dst>(v, kdst + bs * row, i);  // [block, 1, off]
+    }
+  });
+}
+
+template <typename Src>
+void write_kv_from(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache, const int64_t* slots) {
+  switch (cache.scalar_type()) {
+    case at::kFloat: return write_kv_typed<Src, float>(k, v, cache, slots);
+    case at::kBFloat16: return write_kv_typed<Src, c10::BFloat16>(k, v, cache, slots);
+    case at::kHalf: return write_kv_typed<Src, c10::Half>(k, v, cache, slots);
+    default: TORCH_CHECK_VALUE(false, "kv_cache must be float32, bfloat16 or float16, got ", cache.scalar_type());
+  }
+}
+
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK_VALUE(kv_cache.device().is_cpu() && kv_cache.dim() == 5 && kv_cache.size(1) == 2 &&
+                        kv_cache.is_contiguous(),
+                    "kv_cache must be a contiguous [num_blocks, 2, block_size, Hkv, D] CPU tensor");
+  for (const auto* t : {&k, &v})
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->dim() == 3 && t->stride(2) == 1 && t->size(1) == kv_cache.size(3) &&
+                          t->size(2) == kv_cache.size(4) && t->scalar_type() == k.scalar_type(),
+                      "k and v must be [T, Hkv, D] CPU tensors of one dtype, head_dim contiguous, matching kv_cache's "
+                      "[.., Hkv, D] = ", kv_cache.sizes().slice(3));
+  TORCH_CHECK_VALUE(v.size(0) == k.size(0), "k and v must have the same number of tokens");
+  TORCH_CHECK_VALUE(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
+                        slot_mapping.dim() == 1 && slot_mapping.is_contiguous() && slot_mapping.numel() == k.size(0),
+                    "slot_mapping must be a contiguous int64 CPU tensor with one slot per token (", k.size(0), ")");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = kv_cache.size(0) * kv_cache.size(2);
+  for (int64_t i = 0; i < k.size(0); ++i)
+    TORCH_CHECK_VALUE(slots[i] >= 0 && slots[i] < num_slots, "slot_mapping[", i, "] = ", slots[i],
+                      " is not a slot of kv_cache (", num_slots, " slots)");
+  switch (k.scalar_type()) {
+    case at::kFloat: return write_kv_from<float>(k, v, kv_cache, slots);
+    case at::kBFloat16: return write_kv_from<c10::BFloat16>(k, v, kv_cache, slots);
+    case at::kHalf: return write_kv_from<c10::Half>(k, v, kv_cache, slots);
+    default: TORCH_CHECK_VALUE(false, "k and v must be float32, bfloat16 or float16, got ", k.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvllm_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out, Tensor(b!)? residual=None, int max_isa=2) "
+        "-> ()", &rms_norm);
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, int max_isa=2) -> ()", &rope_);
+  m.def("silu_mul(Tensor x, Tensor(a!) out, int max_isa=2) -> ()", &silu_mul);
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()", &write_kv);
+}
+
+}  // namespace kvllm_cpu

@@ -1,0 +1,83 @@
+// Pieces shared by kvllm's CPU kernel files (kvllm_cpu.cpp, layer_ops.cpp): which instruction set the CPU has,
+// and the AVX2 helpers both files use. Everything is built without -march: AVX2 code is compiled per function
+// through `#pragma GCC target` and only reached after a run-time check, so one library runs on any x86-64.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define KVLLM_X86 1  // the AVX2 / AVX-512 code; elsewhere only the portable kernels are compiled
+#include <immintrin.h>
+#endif
+
+namespace kvllm_cpu {
+
+inline bool cpu_has_avx2() {
+#ifdef KVLLM_X86
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Instruction-set levels of the kernels: 0 portable, 1 AVX2 + FMA, 2 AVX-512F (+ AVX2). Every op takes a
+// `max_isa` (tests run each level on a machine that has it); the best level present is the default.
+inline int64_t best_isa() {
+#ifdef KVLLM_X86
+  static const int64_t level = [] {
+    if (!cpu_has_avx2()) return int64_t{0};
+    return __builtin_cpu_supports("avx512f") ? int64_t{2} : int64_t{1};
+  }();
+  return level;
+#else
+  return 0;
+#endif
+}
+
+inline int64_t pick_isa(int64_t max_isa) {
+  TORCH_CHECK_VALUE(max_isa >= 0 && max_isa <= 2, "max_isa must be 0 (portable), 1 (AVX2) or 2 (AVX-512), got ",
+                    max_isa);
+  return std::min(max_isa, best_isa());
+}
+
+#ifdef KVLLM_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+inline float hsum(__m256 a) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// 2^x for x in [-126, 126] (clamped there): x = n + f, |f| <= 1/2, 2^f by its degree-7 Taylor polynomial
+// (relative error < 1e-8), 2^n through the exponent bits. At -126, 2^n is still a normal float (2^-126 is ~1e-38:
+// nil next to an online-softmax row's max term, which is 1).
+inline __m256 exp2_avx(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-126.f)), _mm256_set1_ps(126.f));
+  __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-02f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+#pragma GCC pop_options
+#endif  // KVLLM_X86
+
+}  // namespace kvllm_cpu

@@ -1,0 +1,115 @@
+"""The elementwise ops of a decoder layer, behind one interface with two implementations:
+
+- TorchLayerOps: plain torch on any device and dtype (the reference; HF's order of operations).
+- CpuLayerOps: csrc/layer_ops.cpp, one C++ call per op on float32 CPU tensors. The residual add is fused into the
+  RMSNorm that follows it, RoPE rotates q and k in place inside the fused qkv projection output, and SiLU-multiply
+  reads the fused gate/up output; K/V writes into the pages (engine/attention/cpu_paged.py) are in the same library.
+  Why: written in torch a layer's elementwise work is ~25 ops, each over more than 32K elements an OpenMP parallel
+  region, and under passive waiting (engine/threads.py) every region wakes the sleeping worker threads. These calls
+  stay on the calling thread at decode sizes, so a step's parallel regions are its GEMMs and attention calls.
+  Inputs it does not take (another dtype or device, a 3-D RMSNorm input such as Qwen3's per-head q/k norm) go to
+  TorchLayerOps.
+
+EngineConfig.layer_ops picks one ('auto': the C++ ops where the model is float32 on a CPU and the library loads).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+class TorchLayerOps:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm(x) * weight; with `residual`: (RMSNorm(x + residual) * weight, x + residual)."""
+        if residual is not None:
+            x = x + residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        out = weight * h.to(x.dtype)
+        return out if residual is None else (out, x)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rotate-half RoPE of q [T, Hq, D] and k [T, Hkv, D] (or None) with cos/sin [T, D/2], in float32."""
+        return apply_rope(q, cos, sin), None if k is None else apply_rope(k, cos, sin)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for x = [gate | up] [T, 2I]."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def _kernel_ready(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in ts)
+
+
+class CpuLayerOps(TorchLayerOps):
+    """Raises cpu_ext.ExtensionUnavailable when the library cannot be built or loaded."""
+
+    name = "cpu"
+
+    def __init__(self, max_isa: int = 2) -> None:
+        from engine.attention import cpu_ext
+
+        self._ops = cpu_ext.load()
+        self.max_isa = max_isa  # 0: the portable loops (tests of each level)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if x.dim() != 2 or not _kernel_ready(x, weight) or (residual is not None and not _kernel_ready(residual)):
+            return super().rms_norm(x, weight, eps, residual)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self._ops.rms_norm(x, weight, eps, out, residual, self.max_isa)  # residual += x, in place
+        return out if residual is None else (out, residual)
+
+    def rope(self, q, k, cos, sin):
+        if not _kernel_ready(q, cos, sin) or (k is not None and not _kernel_ready(k)):
+            return super().rope(q, k, cos, sin)
+        self._ops.rope_(q, q[:, :0] if k is None else k, cos, sin, self.max_isa)
+        return q, k
+
+    def silu_mul(self, x):
+        if x.dim() != 2 or not _kernel_ready(x):
+            return super().silu_mul(x)
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+        self._ops.silu_mul(x, out, self.max_isa)
+        return out
+
+
+TORCH_LAYER_OPS = TorchLayerOps()
+
+
+def can_use_cpu_ops(model: torch.nn.Module) -> str | None:
+    """None when CpuLayerOps can run `model`'s layers, else why not (one line)."""
+    from engine.attention import cpu_ext
+
+    param = next(model.parameters())
+    if param.device.type != "cpu":
+        return f"the model is on {param.device}"
+    if param.dtype != torch.float32:
+        return f"the model is {param.dtype}, the kernels are float32"
+    try:
+        cpu_ext.load()
+    except cpu_ext.ExtensionUnavailable as exc:
+        return f"the C++ extension is unavailable ({exc})"
+    return None
+
+
+def pick_layer_ops(setting: str, model: torch.nn.Module) -> TorchLayerOps:
+    """EngineConfig.layer_ops ('auto', 'cpu' or 'torch') -> the ops object for `model`. Raises ValueError (naming
+    layer_ops) for 'cpu' where it cannot run."""
+    if setting == "torch":
+        return TORCH_LAYER_OPS
+    why = can_use_cpu_ops(model)
+    if why is None:
+        return CpuLayerOps()
+    if setting == "cpu":
+        raise ValueError(f"layer_ops='cpu' cannot run: {why}")
+    return TORCH_LAYER_OPS
