@@ -55,6 +55,10 @@ def decode_meta(num_seqs: int, slots: int, num_blocks: int, seed: int = 0):
 
 # ---- attention per layer call ------------------------------------------------------------------------------
 def layer_rows(threads, slots_list, layers: int, repeats: int) -> list[str]:
+    """The torch backend and the C++ kernel on pages in plain tensors (4 KiB pages), and the C++ kernel on the same
+    values in the engine's KVCache (transparent huge pages, paging/kv_cache.py)."""
+    from paging.kv_cache import KVCache
+
     backends = {"torch": get_backend("torch", "cpu"), "cpu": get_backend("cpu", "cpu")}
     rows = []
     for slots in slots_list:
@@ -62,6 +66,11 @@ def layer_rows(threads, slots_list, layers: int, repeats: int) -> list[str]:
         num_blocks = num_seqs * (-(-(slots + 8) // BS)) + 8
         meta = decode_meta(num_seqs, slots, num_blocks)
         caches = [torch.randn(num_blocks, 2, BS, HKV, D) for _ in range(layers)]
+        huge = KVCache(layers, num_blocks, BS, HKV, D, torch.float32)
+        for c, h in zip(caches, huge.layers):
+            h.copy_(c)
+        sides = {"torch": (backends["torch"], caches), "cpu": (backends["cpu"], caches),
+                 "cpu, huge pages": (backends["cpu"], huge.layers)}
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(num_seqs, h, D, generator=g) for h in (HQ, HKV, HKV))
         for b in backends.values():
@@ -70,16 +79,16 @@ def layer_rows(threads, slots_list, layers: int, repeats: int) -> list[str]:
                 - backends["cpu"].forward(q, k, v, caches[0], meta, D ** -0.5)).abs().max().item()
         for n in threads:
             torch.set_num_threads(n)
-            t = {name: [] for name in backends}
-            for _ in range(3):  # alternate the two sides
-                for name, b in backends.items():
-                    def call(b=b):
-                        for c in caches:
+            t = {name: [] for name in sides}
+            for _ in range(3):  # alternate the sides
+                for name, (b, pages) in sides.items():
+                    def call(b=b, pages=pages):
+                        for c in pages:
                             b.forward(q, k, v, c, meta, D ** -0.5)
                     t[name] += [x / layers for x in timed(call, repeats)]
-            tt, tc = median(t["torch"]), median(t["cpu"])
+            tt, tc, th = (median(t[name]) for name in sides)
             rows.append(f"| 64 x ~{slots} | {n} | {tt * 1e3:.2f} ms | {tc * 1e3:.2f} ms | {tt / tc:.2f}x "
-                        f"| {diff:.1e} |")
+                        f"| {th * 1e3:.2f} ms | {tc / th:.2f}x | {diff:.1e} |")
     return rows
 
 
@@ -311,8 +320,8 @@ def main() -> None:
         print(json.dumps(policy_probe(*json.loads(args.policy_probe))))
         return
     t_start, load = time.time(), os.getloadavg()[0]
-    out = ["| decode batch x KV slots | threads | torch backend | cpu kernel | speed-up | max abs diff |",
-           "|---|---:|---:|---:|---:|---:|"]
+    out = ["| decode batch x KV slots | threads | torch backend | cpu kernel | speed-up | cpu kernel, KV cache in huge "
+           "pages | huge vs 4 KiB pages | max abs diff |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     out += layer_rows(args.threads, args.slots, args.layers, args.repeats)
     if not args.skip_flex:
         out += ["", "| torch.compile(flex_attention), decode | compile + first call | recompile for a new KV length "
@@ -344,18 +353,24 @@ def main() -> None:
         out += ["", "| OMP_WAIT_POLICY | decode step, batch x KV slots | 1 thread | 2 threads | 2-thread speed-up |",
                 "|---|---|---:|---:|---:|"]
         out += policy_rows([1, 64], args.slots[0], args.repeats)
-    body = "\n".join(out)
-    body += (f"\n\nLayer call: attention of 64 decode tokens (K/V write included) per layer, medians over "
-             f"{args.layers} layers' pages x {args.repeats} repeats x 3 alternations. Decode step: model forward + "
-             f"LM head. GEMM options: the sum over SmolLM2's linear shapes x their counts (+ tied LM head), "
-             f"1 thread. Agreement: Engine.generate, greedy, ignore_eos, {args.agreement_tokens} tokens, 1 thread. "
-             f"Wait policy: one child process per setting (in the environment before torch loads); all other rows "
-             f"run with {THREADS.wait_policy or 'the default'} waiting. 1-minute load average at start {load:.2f} on "
-             f"{os.cpu_count()} cores; {time.time() - t_start:.0f} s.")
+    layer_only = args.skip_model and args.skip_int8 and args.skip_policy and args.skip_flex
+    notes = [f"Layer call: attention of 64 decode tokens (K/V write included) per layer, medians over {args.layers} "
+             f"layers' pages x {args.repeats} repeats x 3 alternations; the huge-page column runs the same values in "
+             f"a KVCache (paging/kv_cache.py: madvise(MADV_HUGEPAGE))."]
+    if not layer_only:
+        notes.append(f"Decode step: model forward + LM head. GEMM options: the sum over SmolLM2's linear shapes x "
+                     f"their counts (+ tied LM head), 1 thread. Agreement: Engine.generate, greedy, ignore_eos, "
+                     f"{args.agreement_tokens} tokens, 1 thread. Wait policy: one child process per setting (in the "
+                     f"environment before torch loads).")
+    notes.append(f"Rows run with {THREADS.wait_policy or 'the default'} waiting. 1-minute load average at start "
+                 f"{load:.2f} on {os.cpu_count()} cores; {time.time() - t_start:.0f} s.")
+    body = "\n".join(out) + "\n\n" + " ".join(notes)
     print(body)
     if not args.no_write:
         cmd = "python bench/cpu_attention.py " + " ".join(sys.argv[1:])
-        write_section("CPU fast path: paged-attention kernel, int8 weights, threads (SmolLM2)", cmd.strip(), body)
+        title = ("Attention layer call: C++ kernel vs torch, KV pages in huge pages" if layer_only
+                 else "CPU fast path: paged-attention kernel, int8 weights, threads (SmolLM2)")
+        write_section(title, cmd.strip(), body)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def kvllm_run(engine: Engine, prompts, output_len: int, batch: int) -> tuple[flo
     return tokens / elapsed, elapsed
 
 
-def decode_step_time(engine: Engine, prompts, batch: int, floor_once, steps: int = 8) -> tuple[float, float, float]:
+def decode_step_time(engine: Engine, prompts, batch: int, floor_once, steps: int = 16) -> tuple[float, float, float]:
     """A pure decode step with `batch` running sequences against its GEMM floor, the two timed in alternation
     (each step, then `floor_once`), so a machine whose speed drifts moves both: (median step, median floor, median
     of the per-pair ratios)."""
