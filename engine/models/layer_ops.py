@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+
 class TorchLayerOps:
     name = "torch"
 
