@@ -130,23 +130,36 @@ inline void slot_offsets(const Problem& P, const int32_t* pages, int64_t c0, int
   }
 }
 
-// Reads every cache line of the chunk's K rows, then its V rows, of heads [h0, h1), in address order (a block's
-// [block_size, Hkv, D] rows are contiguous), so the head-by-head compute that follows hits L1/L2. Measured at
-// 64 x 256 and 64 x 512 slots, 1 thread: ~25% faster than computing straight from DRAM, while software prefetch
-// (next chunk, into L1 or L2, whichever order) gained nothing.
+// Reads every cache line of the chunk's K and V rows of heads [h0, h1), so the head-by-head compute that follows
+// hits L1/L2. A block's [block_size, Hkv, D] rows are contiguous, so a chunk is a few address-contiguous runs (K and
+// V of each block); their lines are read in turn, one line of each run, which keeps several hardware-prefetch
+// streams busy at once instead of one. Measured at 64 x 256 and 64 x 512 slots, 1 thread: reading before computing
+// beats computing straight from DRAM, the runs in turn beat them one after another, and software prefetch (next
+// chunk, into L1 or L2, alone or with this pass) was slower (docs/benchmarks.md).
 template <typename T>
 inline void stream_chunk(const Problem& P, const int64_t* off, int64_t n, int64_t h0, int64_t h1) {
   const char* cache = static_cast<const char*>(P.cache);
-  const int64_t bytes = (h1 - h0) * P.d * static_cast<int64_t>(sizeof(T));
+  const int64_t row = (h1 - h0) * P.d * static_cast<int64_t>(sizeof(T));
+  const bool whole = h1 - h0 == P.hkv;  // a slot's rows of heads [h0, h1) are then contiguous with the next slot's
+  // runs of address-contiguous bytes: K and V of each block the chunk touches (of each slot when heads are split)
+  std::array<const char*, 2 * kChunk> start;
+  std::array<int64_t, 2 * kChunk> len;
+  int64_t runs = 0, longest = 0;
+  for (int64_t j = 0; j < n;) {
+    int64_t e = j + 1;
+    if (whole)
+      while (e < n && off[e] == off[e - 1] + P.slot_stride) ++e;
+    const char* k = cache + (off[j] + h0 * P.d) * sizeof(T);
+    const int64_t b = whole ? (e - j) * P.slot_stride * static_cast<int64_t>(sizeof(T)) : row;
+    start[runs] = k, len[runs++] = b;
+    start[runs] = k + P.v_offset * sizeof(T), len[runs++] = b;
+    longest = std::max(longest, b);
+    j = e;
+  }
   // volatile byte loads: kept by the compiler, and independent of each other (no add chain to wait on)
-  for (int64_t j = 0; j < n; ++j) {
-    const volatile char* k = cache + (off[j] + h0 * P.d) * sizeof(T);
-    for (int64_t b = 0; b < bytes; b += 64) (void)k[b];
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    const volatile char* v = cache + (off[j] + P.v_offset + h0 * P.d) * sizeof(T);
-    for (int64_t b = 0; b < bytes; b += 64) (void)v[b];
-  }
+  for (int64_t b = 0; b < longest; b += 64)
+    for (int64_t r = 0; r < runs; ++r)
+      if (b < len[r]) (void)static_cast<const volatile char*>(start[r])[b];
 }
 
 // Row pointers of the chunk's slots for KV head h: into the cache when the kernels read its type (E == T), else
