@@ -497,7 +497,7 @@ struct Avx512 : Avx2 {  // softmax pieces inherited (AVX2)
 // ---- one work item -------------------------------------------------------------------------------------
 // Item rows are ordered (KV head, query token, head in group). An item normally covers all KV heads: the K (and
 // V) rows of all heads of a slot are contiguous in a block ([block_size, Hkv, D]), so each chunk of slots is
-// first streamed in address order (stream_chunk), then computed head by head from cache.
+// first read into cache (stream_chunk), then computed head by head from there.
 template <typename K, typename T, typename E = typename K::template Elem<T>>
 void run_item(const Problem& P, const Item& it, Scratch<E>& sc) {
   const int64_t d = P.d, g = P.g;
