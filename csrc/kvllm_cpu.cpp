@@ -150,7 +150,7 @@ inline void stream_chunk(const Problem& P, const int64_t* off, int64_t n, int64_
     if (whole)
       while (e < n && off[e] == off[e - 1] + P.slot_stride) ++e;
     const char* k = cache + (off[j] + h0 * P.d) * sizeof(T);
-    const int64_t b = whole ? (e - j) * P.slot_stride * static_cast<int64_t>(sizeof(T)) : row;
+    const int64_t b = (e - j) * row;  // whole: row == one slot's stride in bytes
     start[runs] = k, len[runs++] = b;
     start[runs] = k + P.v_offset * sizeof(T), len[runs++] = b;
     longest = std::max(longest, b);
