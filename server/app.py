@@ -1,5 +1,5 @@
-"""The OpenAI-compatible FastAPI app (the routes): `build_app(engine, served_model_name=None,
-max_queued_requests=None)`.
+"""The OpenAI-compatible FastAPI app (the routes): `build_app(engine, config=None, **settings)`, settings being
+the fields of `server.config.ServerConfig`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``
 (200 with an empty body, 503 once the engine loop died), ``GET /metrics`` (Prometheus text), ``GET /version``.
@@ -12,7 +12,7 @@ never leaks) → model name (404) → engine health (503) → SamplingParams and
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +30,7 @@ from api.protocol import (
     RequestError,
 )
 from server.errors import error_response, request_error_response, validation_error_response
+from server.config import ServerConfig
 from server.metrics import CONTENT_TYPE
 from server.serving import ServerState, create_chat_completion, create_completion
 
@@ -50,21 +51,17 @@ _ERROR_RESPONSES: dict[Union[int, str], dict[str, Any]] = {
 
 
 # ============================================================================================ the app
-def build_app(engine: Any, served_model_name: Optional[Union[str, list[str]]] = None,
-              max_queued_requests: Optional[int] = None) -> FastAPI:
+def build_app(engine: Any, config: ServerConfig | None = None, **settings: Any) -> FastAPI:
     """An OpenAI-compatible app around a started-or-not `engine.Engine` (the engine is not owned: the caller
-    shuts it down). ``served_model_name`` (a name or a list; default ``engine.model_name``) is what
-    ``/v1/models`` lists and what requests must name; ``max_queued_requests`` bounds the waiting requests
-    (beyond it: 503 + Retry-After)."""
-    if served_model_name is None:
-        names = [engine.model_name]
-    elif isinstance(served_model_name, str):
-        names = [served_model_name]
-    else:
-        names = list(served_model_name) or [engine.model_name]
-    if max_queued_requests is not None and max_queued_requests < 0:
-        raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests!r}")
-    state = ServerState(engine, names, max_queued_requests)
+    shuts it down). ``config`` or keyword ``settings`` are `ServerConfig` fields: ``served_model_name`` (a name
+    or a list; default ``engine.model_name``) is what ``/v1/models`` lists and what requests must name;
+    ``max_queued_requests`` bounds the waiting requests (beyond it: 503 + Retry-After)."""
+    if config is None:
+        config = ServerConfig(**settings)
+    elif settings:
+        raise TypeError("give a ServerConfig or keyword settings, not both")
+    names = list(config.served_model_name or []) or [engine.model_name]
+    state = ServerState(engine, names, config.max_queued_requests)
 
     app = FastAPI(title="kvllm", version=__version__,
                   description="OpenAI-compatible LLM server with paged KV cache and in-loop KV compression.")

@@ -49,14 +49,14 @@ _nonneg_int = _int_at_least(0, "an integer >= 0")
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from compression import names
+    from engine.argspec import add_arguments
+    from server.config import ServerConfig
 
     p.add_argument("model", nargs="?", default=None,
                    help="'smollm2' (default), a .gguf file, or a local Hugging Face model directory")
     p.add_argument("--model", dest="model_opt", default=None, help="same as the positional MODEL")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use as 'model' (default: 'smollm2' or the model path's basename)")
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default=None, help="auto|bfloat16|float16|float32 (default auto: bf16 on CUDA and AMX/AVX512-BF16 CPUs, else fp32)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
@@ -104,8 +104,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "8GiB (default 1GiB; shares one store with --swap-space)")
     m.add_argument("--compress-before-preempt", action=argparse.BooleanOptionalAction, default=None,
                    help="run a compression round on demand before preempting (default: on)")
-    p.add_argument("--max-queued-requests", type=_nonneg_int, default=None,
-                   help="reject with 503 + Retry-After while this many requests wait (default: unbounded)")
+    add_arguments(p.add_argument_group("server"), ServerConfig)
     c = p.add_argument_group("KV compression (per-request overrides: the kv_compression body field)")
     c.add_argument("--kv-compression", default=None, metavar="METHOD|JSON",
                    help=f"engine-wide default: a method ({', '.join(names())}) or a JSON object of settings, e.g. "
@@ -201,8 +200,12 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.model is not None and args.model_opt is not None and args.model != args.model_opt:
         parser.error(f"two models given: {args.model!r} and --model {args.model_opt!r}")
     model = args.model or args.model_opt or "smollm2"
+    from engine.argspec import given
+    from server.config import ServerConfig
+
     try:
         engine_kwargs = engine_kwargs_from_args(args)
+        server_config = ServerConfig(**given(args, ServerConfig))
     except ValueError as err:
         parser.error(str(err))
     _setup_logging(args.log_level)
@@ -225,8 +228,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if line not in seen.messages:
                 logger.info("%s", line)
         engine.start()
-        app = build_app(engine, served_model_name=args.served_model_name,
-                        max_queued_requests=args.max_queued_requests)
+        app = build_app(engine, server_config)
         _stop_engine_at_app_shutdown(app, engine)
         names = args.served_model_name or [engine.model_name]
         logger.info("serving %s on http://%s:%d/v1 (max_model_len=%d)", ", ".join(names), args.host, args.port,
