@@ -24,6 +24,7 @@ import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
 
 # int64 range, like vLLM's seed bounds (torch generators take 64-bit seeds).
 _INT64_MIN = -(2**63)
@@ -57,10 +58,53 @@ def random_uuid() -> str:
 
 
 # --------------------------------------------------------------------------------------------- base classes
+def _is_valid_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: valid JSON ("\ud800"), but no text
+        return False
+    return True
+
+
+def printable(text: str) -> str:
+    """`text` with lone surrogates escaped, so that it can go into a response body or a log line."""
+    return text if _is_valid_text(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def invalid_text_path(value: Any, path: tuple = ()) -> tuple | None:
+    """The path to the first string (or object key) in a decoded JSON value that is not valid Unicode text."""
+    if isinstance(value, str):
+        return None if _is_valid_text(value) else path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and not _is_valid_text(key):
+                return path + (key,)
+            found = invalid_text_path(item, path + (key,))
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = invalid_text_path(item, path + (i,))
+            if found is not None:
+                return found
+    return None
+
+
 class OpenAIBaseModel(BaseModel):
-    """Request base: unknown fields are kept (and ignored), as in vLLM's OpenAIBaseModel."""
+    """Request base: unknown fields are kept (and ignored), as in vLLM's OpenAIBaseModel. Every string in the body,
+    object keys included, must be valid Unicode text (a lone surrogate is a 400 naming where it is)."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_text(cls, data: Any) -> Any:
+        path = invalid_text_path(data)
+        if path is not None:
+            param = ".".join(printable(str(p)) for p in path)
+            raise PydanticCustomError("invalid_unicode", "{param}: invalid Unicode text (a lone surrogate)",
+                                      {"param": param})
+        return data
 
     def ignored_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
@@ -342,7 +386,9 @@ def error_body(status_code: int, message: str, param: str | None = None, err_typ
     """The OpenAI error object as a plain dict (code is the HTTP status, as in current vLLM)."""
     if err_type is None:
         err_type = _ERROR_TYPES.get(status_code, "InternalServerError" if status_code >= 500 else "BadRequestError")
-    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param,
+    # a message may quote what the client sent: it must still encode as UTF-8
+    return ErrorResponse(error=ErrorInfo(message=printable(message), type=err_type,
+                                         param=printable(param) if param is not None else None,
                                          code=status_code)).model_dump()
 
 

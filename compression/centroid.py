@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from compression import registry
 from compression.base import Compressor, Selection, WindowBatch
 from compression.config import field_error
-from compression.method_utils import check_window
+from compression.method_utils import check_window, layer_groups
 
 CENTROID_CHUNK_SIZE = 16
 
@@ -71,7 +71,9 @@ def centroid_clusters(keys: torch.Tensor, num_region: int, k: int, *,
     R = L * hkv
     dev = keys.device
     x = keys[:, :, :n].to(torch.float32).reshape(R, n, d)
-    c = max(chunk_size, math.ceil(n / k))
+    # a chunk longer than the region matches the same pairs as one of the region's length: clamp, so memory never
+    # follows a requested chunk_size past the region
+    c = min(max(chunk_size, math.ceil(n / k)), n)
     nch = math.ceil(n / c)
     pad = nch * c - n
     pos = torch.arange(n, device=dev)
@@ -88,11 +90,13 @@ def centroid_clusters(keys: torch.Tensor, num_region: int, k: int, *,
         is_a = alive & (rank % 2 == 0)
         is_b = alive & (rank % 2 == 1)
         kh = F.pad(F.normalize(cent, dim=-1), (0, 0, 0, pad)).reshape(R, nch, c, d)
-        sim = torch.matmul(kh, kh.transpose(-1, -2))  # [R, nch, c, c]
         a_ch = F.pad(is_a, (0, pad)).reshape(R, nch, c)
         b_ch = F.pad(is_b, (0, pad)).reshape(R, nch, c)
-        sim = sim.masked_fill(~(a_ch[..., :, None] & b_ch[..., None, :]), float("-inf"))
-        best, arg = sim.max(dim=-1)  # ties -> first (lower) B slot
+        best, arg = kh.new_empty(R, nch, c), torch.empty(R, nch, c, dtype=torch.long, device=dev)
+        for r0, r1 in layer_groups(R, nch * c * c):  # rows of (layer, head): bounded [rows, nch, c, c] similarities
+            sim = torch.matmul(kh[r0:r1], kh[r0:r1].transpose(-1, -2))
+            sim = sim.masked_fill(~(a_ch[r0:r1, :, :, None] & b_ch[r0:r1, :, None, :]), float("-inf"))
+            best[r0:r1], arg[r0:r1] = sim.max(dim=-1)  # ties -> first (lower) B slot
         edge = best.reshape(R, nch * c)[:, :n]
         dest = arg.reshape(R, nch * c)[:, :n] + chunk_first
         edge = torch.where(torch.isnan(edge), -2.0, edge)  # NaN keys: valid edges, below any cosine

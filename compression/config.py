@@ -38,6 +38,8 @@ from compression import registry
 from compression.registry import ConfigError
 
 _PREFIX = "kv_compression"
+#: Seeds feed torch generators, which take 64-bit seeds.
+INT64_MAX = 2**63 - 1
 
 
 def num_topk(ratio: float, n: int) -> int:
@@ -204,6 +206,8 @@ def _validate_common(c: _Common, spec: registry.MethodSpec, relations: bool = Tr
                       ("horizon_max", 1)):
         if getattr(c, name) < low:
             raise field_error(name, f"must be >= {low}", getattr(c, name))
+    if c.seed > INT64_MAX:
+        raise field_error("seed", f"must be <= {INT64_MAX}", c.seed)
     if relations:  # between fields: only once the fields are complete (a request's dict may rely on the engine's)
         if c.buffer >= c.window:
             raise field_error("buffer", f"must satisfy 0 < buffer < window ({c.window})", c.buffer)
@@ -240,6 +244,10 @@ def coerce(value: Any, base: KVCompressionConfig | None = None,
     d = dict(value)
     method = d.pop("method", base.method if base is not None and base.enabled else "kara")
     if method == "none":
+        if d:  # like every method, "none" rejects settings it does not have (a typo must not pass silently)
+            key = sorted(map(str, d))[0]
+            raise ConfigError(f"{_PREFIX}.{key} is not a setting of method 'none' (it takes no other key)",
+                              f"{_PREFIX}.{key}")
         return KVCompressionConfig("none")
     values: dict[str, Any] = {}
     if base is not None and base.enabled:
@@ -252,4 +260,31 @@ def coerce(value: Any, base: KVCompressionConfig | None = None,
     return KVCompressionConfig(method, _relations=relations, **values)
 
 
-__all__ = ["KVCompressionConfig", "ConfigError", "coerce", "num_topk", "COMMON_FIELDS"]
+@dataclass(frozen=True)
+class Limits:
+    """What one engine can hold, which bounds every integer setting a request can carry: token counts (windows,
+    buffers, periods, thresholds, horizons, chunk and kernel sizes) by ``max_model_len`` (a longer one could never
+    act, and buffers are sized from them), and the fields a method's parameter record names in its ``LIMITS``
+    (e.g. ``{"entropy_top_k": "vocab_size"}``) by that attribute instead."""
+    max_model_len: int
+    vocab_size: int
+
+
+def check_limits(cfg: KVCompressionConfig, reference: KVCompressionConfig | None, limits: Limits) -> None:
+    """Raise `ConfigError` naming the first integer setting of ``cfg`` above its bound. A value up to what the
+    engine itself would use for this method (``reference``: its configured setting) is always allowed, so an
+    operator's default never makes requests fail."""
+    if not cfg.enabled:
+        return
+    named = getattr(cfg.params, "LIMITS", {})
+    ref = reference.to_dict() if reference is not None and reference.method == cfg.method else {}
+    for name, value in cfg.to_dict().items():
+        if not _is_int(value) or name == "seed":  # seeds: int64, checked with the other fields
+            continue
+        attr = named.get(name, "max_model_len")
+        bound = getattr(limits, attr)
+        if value > max(bound, ref.get(name) if _is_int(ref.get(name)) else 0):
+            raise field_error(name, f"must be <= {bound} (this engine's {attr})", value)
+
+
+__all__ = ["KVCompressionConfig", "ConfigError", "coerce", "num_topk", "COMMON_FIELDS", "Limits", "check_limits"]

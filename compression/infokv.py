@@ -47,6 +47,7 @@ without a change to the model code.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -188,6 +189,7 @@ class InfoKVParams:
     entropy score (no effect in the engine, which supplies no such signal); entropy_top_k (10): k of the top-k
     renormalised entropy recorded at sampling; kernel (5): odd pooling width of the threshold policy's SnapKV
     attention score. Why these defaults: the module docstring."""
+    LIMITS: ClassVar[dict[str, str]] = {"entropy_top_k": "vocab_size"}  # a top-k over the vocabulary
     lam: float = INFOKV_LAMBDA
     rho: float = INFOKV_RHO
     entropy_top_k: int = INFOKV_TOPK

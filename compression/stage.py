@@ -36,7 +36,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from compression.base import PrefixBatch, WindowBatch, as_selection
-from compression.config import KVCompressionConfig, coerce
+from compression.config import KVCompressionConfig, Limits, check_limits, coerce
 from compression.state import CompressionState, EntropyStore
 
 
@@ -96,10 +96,15 @@ class RoundStats:
 
 
 class CompressionStage:
-    def __init__(self, default: Any = None, device_type: str = "cpu"):
+    def __init__(self, default: Any = None, device_type: str = "cpu", limits: Limits | None = None):
         self.default: KVCompressionConfig = coerce(default) or KVCompressionConfig("none")
         self.device_type = device_type  # resolves query_source="auto"
+        self.limits = limits  # bounds of the integer settings a request may carry (None: unchecked)
         self._compressors: dict[KVCompressionConfig, Any] = {}
+        self._references: dict[str, KVCompressionConfig | None] = {}
+        # (sequence, error) of sequences whose own part of a round or of a side signal failed; the engine drains
+        # it and fails their requests alone
+        self.failed: list[tuple[Any, BaseException]] = []
         self.stats = RoundStats()
         # Tensor parallelism sets this (engine/distributed/driver.py): called with ("window" | "threshold", the
         # sequences) before a round touches the KV cache, so that every rank runs this same round on its KV heads.
@@ -107,9 +112,17 @@ class CompressionStage:
 
     # -- per-request settings -----------------------------------------------------------------------------
     def resolve(self, value: Any) -> KVCompressionConfig | None:
-        """A request's setting (None: the engine default) as a config, or None when compression is off."""
-        cfg = coerce(value, self.default if self.default.enabled else None) if value is not None else self.default
-        return cfg if cfg.enabled else None
+        """A request's setting (None: the engine default) as a config, or None when compression is off. Its integer
+        settings are checked against the engine's limits (compression/config.py `check_limits`)."""
+        base = self.default if self.default.enabled else None
+        cfg = coerce(value, base) if value is not None else self.default
+        if not cfg.enabled:
+            return None
+        if self.limits is not None and value is not None:
+            if cfg.method not in self._references:  # what naming just the method would give
+                self._references[cfg.method] = coerce({"method": cfg.method}, base)
+            check_limits(cfg, self._references[cfg.method], self.limits)
+        return cfg
 
     def new_state(self, value: Any, num_prompt_tokens: int, score_from: int | None) -> CompressionState | None:
         cfg = self.resolve(value)
@@ -123,7 +136,8 @@ class CompressionStage:
             source = "recompute"  # the threshold policy reads only its observation window: nothing to keep
         comp = self.compressor(cfg)
         kept = comp.num_kept(cfg.region_len) if cfg.policy == "periodic" else 0
-        st = CompressionState(cfg, start, query_source=source, kept_per_window=kept)
+        st = CompressionState(cfg, start, query_source=source, kept_per_window=kept,
+                              max_tail=self.limits.max_model_len if self.limits is not None else None)
         if comp.needs_entropy:
             st.entropy, st.entropy_top_k = EntropyStore(), comp.entropy_top_k
         return st
@@ -160,14 +174,15 @@ class CompressionStage:
                 groups.setdefault(st.entropy_top_k, []).append(row)
         if not groups:
             return
-        from compression.infokv import topk_entropy
-
         for k, rows in groups.items():
-            idx = torch.tensor(rows, device=logits.device)
-            ent = topk_entropy(logits.index_select(0, idx), k).cpu()
-            for i, row in enumerate(rows):
-                seq = seqs[row]
-                seq.compression.entropy.put(seq.num_tokens, ent[i:i + 1])
+            try:
+                _record_entropy(seqs, logits, k, rows)
+            except Exception:  # find whose part failed: only that request ends (re-storing a position is harmless)
+                for row in rows:
+                    try:
+                        _record_entropy(seqs, logits, k, [row])
+                    except Exception as err:
+                        self.failed.append((seqs[row], err))
 
     # -- the hook -----------------------------------------------------------------------------------------
     def after_step(self, running: list[Sequence], kv: KVManager, queries: QueryFn) -> None:
@@ -214,6 +229,43 @@ class CompressionStage:
                 break
         return self.run_window_round(picked, kv, queries, on_demand=True)
 
+    # -- failure isolation ---------------------------------------------------------------------------------
+    def _isolated(self, prepare: Callable[[list], "_Round"], seqs: list, *args: Any) -> "_Round":
+        """Prepare a batched round (read-only: keys, queries, selections, the compaction jobs). If that raises,
+        prepare each sequence alone, so that only the sequences whose own part fails are left out, reported in
+        `failed` for the engine to fail their requests, and the rest is compressed as usual. Under tensor
+        parallelism a round is a collective (the query recomputation runs on every rank): a failure stops the loop."""
+        try:
+            return prepare(seqs, *args)
+        except Exception as err:
+            if self.round_hook is not None:
+                raise
+            if len(seqs) == 1:
+                self.failed.append((seqs[0], err))
+                return _Round()
+        out = _Round()
+        for seq in seqs:
+            try:
+                out.extend(prepare([seq], *args))
+            except Exception as err:
+                self.failed.append((seq, err))
+        return out
+
+    def _apply(self, prep: "_Round", kv: KVManager, t0: float, on_demand: bool = False) -> int:
+        """The only part of a round that changes anything: one batched compaction, then each job's bookkeeping."""
+        if not prep.jobs:
+            return 0
+        for method, cached, recomputed in prep.queries:
+            for rec in (self.stats, self.stats.method(method)):
+                rec.queries_cached += cached
+                rec.queries_recomputed += recomputed
+        freed = kv.compact([job.request for job in prep.jobs])
+        for job, f in zip(prep.jobs, freed):
+            job.done()
+            self._count(job.request, job.kept, f, job.merged)
+        self._finish_round(t0, prep.device, prep.own_time, [job.request for job in prep.jobs], on_demand)
+        return sum(freed)
+
     # -- periodic window compression ----------------------------------------------------------------------
     def run_window_round(self, candidates: list[Sequence], kv: KVManager, queries: QueryFn,
                          on_demand: bool = False) -> int:
@@ -221,6 +273,10 @@ class CompressionStage:
         if self.round_hook is not None:
             self.round_hook("window", candidates)
         t0 = time.perf_counter()
+        return self._apply(self._isolated(self._window_jobs, candidates, kv, queries), kv, t0, on_demand)
+
+    def _window_jobs(self, candidates: list[Sequence], kv: KVManager, queries: QueryFn) -> "_Round":
+        out = _Round()
         picked = []
         for seq in candidates:
             st, cfg = seq.compression, seq.compression.config
@@ -233,7 +289,7 @@ class CompressionStage:
                 assert seq.kv_len - st.compressed_kv_len == tail, "stale compression frontier"
                 picked.append((seq, num_windows))
         if not picked:
-            return 0
+            return out
         # Only the tail's first (num_windows - 1) * n + |W| tokens are in a window: the rest is neither scored nor
         # needs its queries recomputed.
         spans = [(s, s.compression.compressed_tokens, (k - 1) * s.compression.config.region_len
@@ -253,11 +309,8 @@ class CompressionStage:
                 q = q_all[:, offset:offset + length].transpose(1, 2)
                 offset += length
             by_cfg.setdefault(seq.compression.config, []).append((seq, num_windows, q, length))
-            m = self.stats.method(seq.compression.config.method)
-            for rec in (self.stats, m):
-                rec.queries_cached += length if c is not None else 0
-                rec.queries_recomputed += length if nq and c is None else 0
-        jobs, own_time, device = [], {}, None
+            out.queries.append((seq.compression.config.method, length if c is not None else 0,
+                                length if nq and c is None else 0))
         for cfg, group in by_cfg.items():
             t_cfg = time.perf_counter()
             comp = self.compressor(cfg)
@@ -279,10 +332,10 @@ class CompressionStage:
                     if ent is not None:
                         es.append(ent[j * n:j * n + w].expand(L, w))
                     gens.append(st.rng())
-            device = ks[0].device
+            out.device = ks[0].device
             batch = WindowBatch(torch.cat(ks), torch.cat(qs) if qs else None, n, L, gens,
                                 values=torch.cat(vs) if vs else None,
-                                entropy=torch.cat(es).to(device) if es else None)
+                                entropy=torch.cat(es).to(out.device) if es else None)
             sel = as_selection(comp.select_windows(batch))  # kept [Nw*L, Hkv, K]
             kept = sel.kept
             K = kept.shape[-1]
@@ -300,34 +353,35 @@ class CompressionStage:
                     req.new_keys, req.new_values = (
                         t[rows].view(num_windows, L, t.shape[1], K, -1).permute(1, 2, 0, 3, 4)
                         .reshape(L, t.shape[1], num_windows * K, -1) for t in (sel.new_keys, sel.new_values))
-                jobs.append((req, num_windows * K, sel.merges))
-            own_time[cfg.method] = own_time.get(cfg.method, 0.0) + time.perf_counter() - t_cfg
-        freed = kv.compact([job for job, _, _ in jobs])
-        for (job, kept_slots, merged), f in zip(jobs, freed):
-            job.seq.compression.advance(job.region_len, kept_slots)
-            self._count(job, kept_slots, f, merged)
-        self._finish_round(t0, device, own_time, [job for job, _, _ in jobs], on_demand)
-        return sum(freed)
+                slots = num_windows * K
+                out.jobs.append(_Job(req, slots, sel.merges,
+                                     lambda st=seq.compression, r=req.region_len, k=slots: st.advance(r, k)))
+            out.own_time[cfg.method] = out.own_time.get(cfg.method, 0.0) + time.perf_counter() - t_cfg
+        return out
 
     # -- threshold baseline -------------------------------------------------------------------------------
     def run_threshold(self, seqs: list[Sequence], kv: KVManager, queries: QueryFn) -> int:
         if self.round_hook is not None:
             self.round_hook("threshold", seqs)
+        t0 = time.perf_counter()
+        return self._apply(self._isolated(self._threshold_jobs, seqs, kv, queries), kv, t0)
+
+    def _threshold_jobs(self, seqs: list[Sequence], kv: KVManager, queries: QueryFn) -> "_Round":
         from paging.compaction import compact_slot_state
 
-        t0 = time.perf_counter()
+        out = _Round()
         comps = [self.compressor(s.compression.config) for s in seqs]
         spans = [(s, s.num_computed_tokens - s.compression.config.observation_window,
                   s.compression.config.observation_window) for s, c in zip(seqs, comps) if c.needs_queries]
         q_all = queries(spans) if spans else None  # query-free methods (KeyDiff, K-norm) skip the forward
-        jobs, own_time, offset, device = [], {}, 0, None
+        offset = 0
         for seq, comp in zip(seqs, comps):
             t_seq = time.perf_counter()
             st, cfg = seq.compression, seq.compression.config
             w = cfg.observation_window
             T = seq.kv_len
             keys = kv.gather_keys(seq, 0, T)
-            device = keys.device
+            out.device = keys.device
             q = None
             if comp.needs_queries:
                 q = q_all[:, offset:offset + w].transpose(1, 2)
@@ -335,24 +389,16 @@ class CompressionStage:
             ent = st.slot_entropies(T, keys.shape[0], keys.shape[1]) if comp.needs_entropy else None
             batch = PrefixBatch(q, keys, cfg.threshold_target - w, w,
                                 values=kv.gather_values(seq, 0, T) if comp.needs_values else None,
-                                entropy=ent.to(device) if ent is not None else None, slot_state=st.slot_state)
+                                entropy=ent.to(out.device) if ent is not None else None, slot_state=st.slot_state)
             sel = as_selection(comp.select_threshold(batch))
             req = CompactionRequest(seq, 0, T - w, sel.kept, sel.new_keys, sel.new_values)
             # per-slot state follows the kept slots (applied once the compaction is done)
             new_ent = compact_slot_state(ent, 0, T - w, sel.kept.cpu()) if ent is not None else None
-            jobs.append((req, sel, new_ent))
-            own_time[cfg.method] = own_time.get(cfg.method, 0.0) + time.perf_counter() - t_seq
-        freed = kv.compact([job for job, _, _ in jobs])
-        for (job, sel, new_ent), f in zip(jobs, freed):  # the threshold baseline keeps no frontier
-            st = job.seq.compression
-            st.ever_compressed = True
-            st.exact = False
-            st.slot_state = dict(sel.slot_state or {})
-            if new_ent is not None:
-                st.slot_entropy, st.slot_entropy_pos = new_ent, job.seq.num_computed_tokens
-            self._count(job, int(job.kept.shape[-1]), f, sel.merges)
-        self._finish_round(t0, device, own_time, [job for job, _, _ in jobs])
-        return sum(freed)
+            out.jobs.append(_Job(req, int(sel.kept.shape[-1]), sel.merges,
+                                 lambda st=st, sel=sel, new_ent=new_ent, seq=seq: _after_threshold(st, sel, new_ent,
+                                                                                                   seq)))
+            out.own_time[cfg.method] = out.own_time.get(cfg.method, 0.0) + time.perf_counter() - t_seq
+        return out
 
     def _count(self, job: CompactionRequest, kept: int, freed: int, merged: bool = False) -> None:
         job.seq.compression.rounds += 1
@@ -383,3 +429,48 @@ class CompressionStage:
             m.rounds += 1
             m.on_demand_rounds += on_demand
             m.seconds += own + common * tokens[name] / all_tokens
+
+
+@dataclass
+class _Job:
+    """One sequence's part of a prepared round: its compaction, the region slots it keeps, and its bookkeeping once
+    the compaction is done."""
+    request: CompactionRequest
+    kept: int
+    merged: bool
+    done: Callable[[], None]
+
+
+@dataclass
+class _Round:
+    """A prepared round: nothing in the cache has changed yet."""
+    jobs: list[_Job] = field(default_factory=list)
+    own_time: dict[str, float] = field(default_factory=dict)  # each method's selection seconds
+    queries: list[tuple[str, int, int]] = field(default_factory=list)  # (method, cached, recomputed) tokens
+    device: torch.device | None = None
+
+    def extend(self, other: "_Round") -> None:
+        self.jobs += other.jobs
+        self.queries += other.queries
+        for name, t in other.own_time.items():
+            self.own_time[name] = self.own_time.get(name, 0.0) + t
+        self.device = self.device or other.device
+
+
+def _record_entropy(seqs: list, logits: torch.Tensor, k: int, rows: list[int]) -> None:
+    from compression.infokv import topk_entropy
+
+    idx = torch.tensor(rows, device=logits.device)
+    ent = topk_entropy(logits.index_select(0, idx), k).cpu()
+    for i, row in enumerate(rows):
+        seq = seqs[row]
+        seq.compression.entropy.put(seq.num_tokens, ent[i:i + 1])
+
+
+def _after_threshold(st: CompressionState, sel: Any, new_ent: torch.Tensor | None, seq: Any) -> None:
+    """The threshold baseline keeps no frontier: the cache is compressed, and per-slot state follows the kept slots."""
+    st.ever_compressed = True
+    st.exact = False
+    st.slot_state = dict(sel.slot_state or {})
+    if new_ent is not None:
+        st.slot_entropy, st.slot_entropy_pos = new_ent, seq.num_computed_tokens

@@ -101,13 +101,16 @@ class CompressionState:
     slot_state: dict = field(default_factory=dict)
     slot_entropy: torch.Tensor | None = None
     slot_entropy_pos: int = 0
+    max_tail: int | None = None  # the engine's max_model_len: no tail is longer (bounds what is sized from config)
 
     def __post_init__(self) -> None:
         self.reset()
         self.pending = self.config.compress_prompt
         if self.query_source == "cache":
             # the longest tail a periodic round sees: a window plus a period's worth of tokens, plus one step's chunk
-            self.queries = QueryCache(self.config.window + self.config.compression_period + 64)
+            # (never more than a whole sequence holds, however large the period)
+            tail = self.config.window + self.config.compression_period
+            self.queries = QueryCache(min(tail, self.max_tail or tail) + 64)
 
     @property
     def caches_queries(self) -> bool:

@@ -12,10 +12,11 @@ from typing import Sequence as Seq
 
 import torch
 
+from compression.config import Limits
 from compression.stage import CompressionStage
 from engine.attention import get_backend
 from engine.config import EngineConfig, parse_dtype
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RequestFailedError
 from engine.model_runner import ModelRunner
 from engine.models.layer_ops import pick_layer_ops
 from engine.output_processor import OutputProcessor
@@ -84,7 +85,8 @@ class EngineCore:
         self.kv = kv_manager(self.kv_cache, config.enable_prefix_caching, host_blocks, compute_dtype=self.dtype)
         self.attn = get_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, cfg, self.kv_cache, self.attn, self.device, self.dtype)
-        self.compression = CompressionStage(config.kv_compression, self.device.type)
+        self.compression = CompressionStage(config.kv_compression, self.device.type,
+                                            Limits(self.max_model_len, cfg.vocab_size))
         if self.driver is not None:
             self.driver.check_compression(self.compression.default)
             self.driver.attach(self.runner, self.compression, self.kv)
@@ -136,6 +138,17 @@ class EngineCore:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has {n} "
                 f"tokens, which leaves no room for completion tokens. Please reduce the length of the prompt.")
         vocab = self.model_config.vocab_size
+        # every number a request carries is bounded by what this engine holds (a bound that is too loose lets one
+        # request size a buffer, or index a tensor, inside the step loop)
+        slots = self.kv.pool.num_blocks * self.kv.block_size
+        if params.n > slots:
+            raise InvalidRequestError(f"n must be <= {slots} (the KV pool's token slots), got {params.n}", "n")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise InvalidRequestError(f"logprobs must be <= {vocab} (the vocabulary), got {params.logprobs}",
+                                      "logprobs")
+        if params.min_tokens > self.max_model_len:
+            raise InvalidRequestError(f"min_tokens must be <= {self.max_model_len} (max_model_len), got "
+                                      f"{params.min_tokens}", "min_tokens")
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:  # apply_min_tokens indexes the logits with these on the engine thread
             raise InvalidRequestError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[:4]}",
@@ -232,6 +245,9 @@ class EngineCore:
         self._start_drafts()
         out = self.scheduler.schedule()
         t_sched = time.perf_counter() - t0
+        self._fail_seqs(out.failed, "scheduling")
+        self._fail_seqs(self._drain_stage(), "its compression round")
+        out.scheduled = [x for x in out.scheduled if not x.seq.is_finished]
         self.counters.num_preemptions += len(out.preempted)
         self.counters.swapped_out_blocks += out.swapped_out
         self.counters.swapped_in_blocks += out.swapped_in
@@ -253,12 +269,12 @@ class EngineCore:
                                                + 0.3 * (time.perf_counter() - t1) / tokens)
                 self.scheduler.commit(normal)
                 for seq, first, q in result.captured:
-                    seq.compression.queries.store(first, q)
+                    self._guarded(seq, "storing its queries", seq.compression.queries.store, first, q)
                 for item in normal:
                     if item.seq.num_computed_tokens <= item.seq.num_prompt_tokens:
                         self.counters.prompt_tokens_total += item.num_tokens
                     if item.seq.lossless is not None and item.seq.compression.exact:
-                        self._copy_to_full_tier(item.seq)
+                        self._guarded(item.seq, "its lossless full tier", self._copy_to_full_tier, item.seq)
                 for seq, logps in result.scored:
                     seq.scoring.prompt_logprobs.extend(logps)
                 if result.sample_seqs:
@@ -268,12 +284,32 @@ class EngineCore:
                 self._verify(verifying)
             self.counters.num_steps += 1
             self.compression.after_step(self.scheduler.running, self.kv, self.runner.recompute_queries)
+            self._fail_seqs(self._drain_stage(), "its compression round")
         finished = []
         for req in touched.values():
             if req.error is None and self._emit(req):
                 finished.append(req.final)
         self.counters.engine_seconds += time.perf_counter() - t0
         return finished
+
+    # -- failures of one request's own part of a step ------------------------------------------------------
+    def _fail_seqs(self, failed: list[tuple[Sequence, BaseException]], where: str) -> None:
+        for seq, err in failed:
+            req = self.requests.get(seq.request_id)
+            if req is not None and req.error is None:
+                logger.error("request %s failed in %s: %r", seq.request_id, where, err)
+                self.fail(req, RequestFailedError(where, err))
+
+    def _guarded(self, seq: Sequence, where: str, fn, *args) -> None:
+        """Run one sequence's own piece of work; if it raises, that request fails and the step goes on."""
+        try:
+            fn(*args)
+        except Exception as err:
+            self._fail_seqs([(seq, err)], where)
+
+    def _drain_stage(self) -> list[tuple[Sequence, BaseException]]:
+        failed, self.compression.failed = self.compression.failed, []
+        return failed
 
     def _banned(self, seq: Sequence, num_committed: int) -> list[int]:
         """Stop ids and EOS are masked while fewer than min_tokens tokens are committed."""
@@ -294,7 +330,13 @@ class EngineCore:
         # InfoKV's side signal: the entropy of the distribution each token is drawn from (only for sequences whose
         # compression method asks for it), stored at the token's logical position before it is appended
         self.compression.record_entropy(seqs, logits)
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.default_generator)
+        self._fail_seqs(self._drain_stage(), "recording its sampling entropy")
+        keep = [i for i, s in enumerate(seqs) if not s.is_finished]
+        if len(keep) < len(seqs):
+            seqs, logits = [seqs[i] for i in keep], logits[keep]
+            if not seqs:
+                return
+        tokens = self._sample(seqs, logits)
         top_n = max((s.params.logprobs or 0) for s in seqs)
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
         if want_logprobs:
@@ -305,6 +347,21 @@ class EngineCore:
             if want_logprobs and seq.params.logprobs is not None:
                 entry = (chosen[row], top_ids[row][:seq.params.logprobs], top_vals[row][:seq.params.logprobs])
             self._append_output(seq, token, entry)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """One batched draw; if it raises, draw row by row so that only the rows that fail end their requests
+        (their token is then never appended: `_append_output` skips failed requests)."""
+        try:
+            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.default_generator)
+        except Exception:
+            tokens = logits.argmax(dim=-1)
+            for row, seq in enumerate(seqs):
+                try:
+                    tokens[row] = sample(logits[row:row + 1], [seq.params], [seq.generator],
+                                         self.default_generator)[0]
+                except Exception as err:
+                    self._fail_seqs([(seq, err)], "sampling")
+            return tokens
 
     def _append_output(self, seq: Sequence, token: int, logprob: tuple | None) -> bool:
         """Commit one generated token: outputs, logprobs, detokenization, stop checks. A failure here ends this
@@ -388,7 +445,7 @@ class EngineCore:
             rows = logits[k0:k0 + len(tokens)]
             q = queries[:, k0:k0 + len(tokens)] if queries is not None else None
             k0 += len(tokens)
-            self._accept(seq, tokens[1:], start, rows, q)
+            self._guarded(seq, "its lossless verification", self._accept, seq, tokens[1:], start, rows, q)
         self.counters.lossless_verifications += len(seqs)
         self.counters.lossless_verify_seconds += time.perf_counter() - t0
 

@@ -11,3 +11,13 @@ class InvalidRequestError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine's step loop died; no request can be served any more."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request's own part of a step failed (its compression round, its sampling, its state); that request ends
+    with this error (HTTP 500 naming the cause) and the engine goes on serving the others."""
+
+    def __init__(self, where: str, cause: BaseException):
+        super().__init__(f"this request failed in {where}: {type(cause).__name__}: {cause}")
+        self.where = where
+        self.cause = cause

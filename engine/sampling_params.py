@@ -41,8 +41,9 @@ class SamplingParams:
             bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -2**63 <= self.seed < 2**63):
+            bad("seed", f"must be a 64-bit integer, got {self.seed!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:

@@ -87,6 +87,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, BaseException]] = field(default_factory=list)  # retired: their own part raised
     swapped_out: int = 0  # blocks copied to host memory
     swapped_in: int = 0
 
@@ -145,38 +146,51 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if self._verifies(seq):  # lossless: the drafts are due; the full tier takes them, not the pool
-                n = len(seq.draft_token_ids) + 1
-                if not self.kv.full_reserve(seq, seq.full_len + n):
-                    self.preempt(seq, out, swap=False)  # host store full: start over from the prompt
-                    continue
-                out.scheduled.append(ScheduledSeq(seq, n, verify=True))
-                budget -= n
-                i += 1
+            try:
+                item = self._schedule_running(seq, i, budget, out)
+            except Exception as err:  # this sequence's own part failed: it alone is retired
+                self._drop(seq, err, out)
                 continue
-            n = self._chunk(seq, budget, seq.num_computed_tokens)
-            while not self.kv.allocate_slots(seq, n):
-                victim = self._victim(i)
-                self.preempt(victim, out)
-                if victim is seq:
-                    break
-            if seq.status != SequenceStatus.RUNNING:
-                continue  # it preempted itself; the next sequence now sits at index i
-            out.scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+            if item is None:
+                continue  # preempted (itself); the next sequence now sits at index i
+            out.scheduled.append(item)
+            budget -= item.num_tokens
             i += 1
 
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
-                if not self._admissible(seq):
-                    break
-                n = self._admit(seq, budget, out)
+                try:
+                    n = self._admit(seq, budget, out) if self._admissible(seq) else 0
+                except Exception as err:
+                    self._drop(seq, err, out)
+                    continue
                 if n == 0:
                     break
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
         return out
+
+    def _schedule_running(self, seq: Sequence, i: int, budget: int, out: SchedulerOutput) -> ScheduledSeq | None:
+        """This step's item of the running sequence at index i (None: it was preempted)."""
+        if self._verifies(seq):  # lossless: the drafts are due; the full tier takes them, not the pool
+            n = len(seq.draft_token_ids) + 1
+            if not self.kv.full_reserve(seq, seq.full_len + n):
+                self.preempt(seq, out, swap=False)  # host store full: start over from the prompt
+                return None
+            return ScheduledSeq(seq, n, verify=True)
+        n = self._chunk(seq, budget, seq.num_computed_tokens)
+        while not self.kv.allocate_slots(seq, n):
+            victim = self._victim(i)
+            self.preempt(victim, out)
+            if victim is seq:
+                return None
+        return ScheduledSeq(seq, n)
+
+    def _drop(self, seq: Sequence, err: BaseException, out: SchedulerOutput) -> None:
+        """Retire a sequence whose own scheduling raised (its blocks go back); the engine fails its request."""
+        self.finish(seq)
+        out.failed.append((seq, err))
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Give a waiting sequence its blocks and its first chunk (0: it does not fit now)."""

@@ -123,6 +123,14 @@ def build_app(engine: Any, config: ServerConfig | None = None, **settings: Any) 
         return [ModelCard(id=name, created=state.created, root=engine.model_name,
                           max_model_len=engine.max_model_len) for name in names]
 
+    async def ping():
+        """Liveness for load balancers (SageMaker's /ping): the same answer as /health."""
+        return await health()
+
+    for method in ("GET", "POST"):
+        app.add_api_route("/ping", ping, methods=[method], operation_id=f"ping_{method.lower()}",
+                          responses={503: {"model": ErrorResponse}})
+
     @app.get("/v1/models", response_model=ModelList)
     async def list_models():
         return ModelList(data=_model_cards())
@@ -133,6 +141,10 @@ def build_app(engine: Any, config: ServerConfig | None = None, **settings: Any) 
             if card.id == model_id:
                 return card
         raise RequestError(f"The model `{model_id}` does not exist.", "model", 404)
+
+    # Health checkers that probe with HEAD must not see a dead server (405): the same answers, without a body.
+    for path, handler in (("/health", health), ("/ping", ping), ("/v1/models", list_models)):
+        app.add_api_route(path, handler, methods=["HEAD"], include_in_schema=False)
 
     _stream_doc = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
 

@@ -67,6 +67,9 @@ def format_validation_error(exc: RequestValidationError) -> tuple[str, str | Non
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "")
             return f"Invalid JSON in the request body{': ' + str(detail) if detail else ''}", None
+    for err in errors:
+        if err.get("type") == "invalid_unicode":  # the body check names the exact place (api/protocol.py)
+            return str(err.get("msg")), (err.get("ctx") or {}).get("param")
     items = []
     for i, err in enumerate(errors):
         loc = _clean_loc(err.get("loc", ()))
