@@ -152,6 +152,8 @@ class _SamplingFields(OpenAIBaseModel):
     stop_token_ids: Optional[list[TokenId]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    request_id: Optional[NonEmptyStr] = Field(
+        None, description="The response id's base when no X-Request-Id header is sent (vLLM's field).")
     # kvllm extension
     kv_compression: KVCompressionField = Field(
         None, description="Per-request KV compression: 'none', a method name, or an object of settings "

@@ -13,6 +13,7 @@ import itertools
 import logging
 import queue
 import threading
+import weakref
 from typing import Any, AsyncIterator, Sequence as Seq
 
 import torch
@@ -46,6 +47,8 @@ class Engine:
         self._dead: BaseException | None = None
         self._ids = itertools.count()
         self._shut = False
+        self._step_observers: tuple[weakref.ref, ...] = ()  # replaced, never mutated: the loop reads it unlocked
+        self._observers_lock = threading.Lock()
         if self.core.driver is not None:  # tensor parallelism: a worker that dies kills the engine at once
             self.core.driver.start_monitor(self._worker_died)
         for line in self.capacity_log_lines():
@@ -130,13 +133,41 @@ class Engine:
         """Run one batch; returns the outputs of requests that finished in it."""
         with self._step_lock, torch.inference_mode():
             self._drain_inbox()
+            before = self._tokens_done()
             if self.core.driver is None:
-                return self.core.step()
+                outs = self.core.step()
+            else:
+                try:
+                    outs = self.core.step()
+                except BaseException as err:  # the ranks are out of step for good: stop them, report the cause
+                    self._dead = self.core.driver.stop_after_error(err)
+                    raise self._dead from err
+            self._tell_observers(self._tokens_done() - before)
+            return outs
+
+    def _tokens_done(self) -> int:
+        c = self.core.counters
+        return c.prompt_tokens_total + c.generation_tokens_total
+
+    def add_step_observer(self, observer: Any) -> None:
+        """`observer.observe_step(num_tokens)` is called on the stepping thread after each step with the prompt +
+        generated tokens it processed (the server's iteration histogram). Held weakly: a discarded observer needs
+        no unregistering."""
+        with self._observers_lock:
+            alive = tuple(r for r in self._step_observers if r() is not None)
+            self._step_observers = alive + (weakref.ref(observer),)
+
+    def _tell_observers(self, num_tokens: int) -> None:
+        if num_tokens <= 0:  # an idle step, or the counters were reset meanwhile
+            return
+        for ref in self._step_observers:
+            obs = ref()
+            if obs is None:
+                continue
             try:
-                return self.core.step()
-            except BaseException as err:  # the ranks are out of step for good: stop them, report the cause
-                self._dead = self.core.driver.stop_after_error(err)
-                raise self._dead from err
+                obs.observe_step(num_tokens)
+            except Exception:  # an observer must not stop the engine
+                logger.debug("step observer failed", exc_info=True)
 
     # -- driving ------------------------------------------------------------------------------------------
     def _check_alive(self) -> None:

@@ -102,9 +102,10 @@ class OutputProcessor:
 
     def request_output(self, req, delta: bool) -> RequestOutput:
         firsts = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
+        scheduled = [s.first_scheduled_time for s in req.seqs if s.first_scheduled_time is not None]
         metrics = RequestMetrics(req.arrival_time, min(firsts) if firsts else None,
                                  time.monotonic() if req.finished else None,
-                                 sum(s.num_preemptions for s in req.seqs))
+                                 sum(s.num_preemptions for s in req.seqs), min(scheduled, default=None))
         scoring = req.seqs[0].scoring
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
                              [self.completion(s, delta) for s in req.seqs], req.finished, metrics,

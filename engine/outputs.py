@@ -24,6 +24,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # when the scheduler first admitted one of its sequences
 
 
 @dataclass

@@ -18,6 +18,7 @@ A waiting sequence starts from the longest cached prefix of its prompt.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -215,6 +216,8 @@ class Scheduler:
             seq.num_computed_tokens = cached_tokens
         self.waiting.popleft()
         seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled_time is None:  # the end of its queue time (vLLM's SCHEDULED event)
+            seq.first_scheduled_time = time.monotonic()
         self.running.append(seq)
         return n
 

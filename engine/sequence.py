@@ -77,6 +77,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # time.monotonic() of the first admission
     scoring: ScoringState | None = None
     compression: CompressionState | None = None
     lossless: LosslessState | None = None

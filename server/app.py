@@ -1,8 +1,12 @@
 """The OpenAI-compatible FastAPI app (the routes): `build_app(engine, config=None, **settings)`, settings being
 the fields of `server.config.ServerConfig`.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``
-(200 with an empty body, 503 once the engine loop died), ``GET /metrics`` (Prometheus text), ``GET /version``.
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` and
+``GET|POST /ping`` (200 with an empty body, 503 once the engine loop died), ``GET /metrics`` (Prometheus text),
+``GET /version``, ``POST /tokenize`` and ``POST /detokenize`` (server/tokenization.py).
+
+In front of the routes (server/middleware.py): X-Request-Id (read, used as the response id's base, echoed), CORS,
+the API key (401), the request-body size limit (413).
 
 Request flow: validate (pydantic; every validation problem is a 400 in the OpenAI error shape, FastAPI's 422
 never leaks) → model name (404) → engine health (503) → SamplingParams and prompt checks, once, by the engine (400)
@@ -29,10 +33,13 @@ from api.protocol import (
     ModelList,
     RequestError,
 )
+from api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from server import middleware
 from server.errors import error_response, request_error_response, validation_error_response
 from server.config import ServerConfig
 from server.metrics import CONTENT_TYPE
 from server.serving import ServerState, create_chat_completion, create_completion
+from server.tokenization import detokenize, tokenize
 
 logger = logging.getLogger("kvllm.server")
 
@@ -45,7 +52,9 @@ except Exception:  # running from a source tree that is not installed
 
 _ERROR_RESPONSES: dict[Union[int, str], dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key (when the server has one)"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
+    413: {"model": ErrorResponse, "description": "Request body over the server's limit"},
     503: {"model": ErrorResponse, "description": "Queue full or engine not running"},
 }
 
@@ -55,17 +64,20 @@ def build_app(engine: Any, config: ServerConfig | None = None, **settings: Any) 
     """An OpenAI-compatible app around a started-or-not `engine.Engine` (the engine is not owned: the caller
     shuts it down). ``config`` or keyword ``settings`` are `ServerConfig` fields: ``served_model_name`` (a name
     or a list; default ``engine.model_name``) is what ``/v1/models`` lists and what requests must name;
-    ``max_queued_requests`` bounds the waiting requests (beyond it: 503 + Retry-After)."""
+    ``max_queued_requests`` bounds the waiting requests (beyond it: 503 + Retry-After); the access, CORS, logging
+    and metrics settings are described on the fields."""
     if config is None:
         config = ServerConfig(**settings)
     elif settings:
         raise TypeError("give a ServerConfig or keyword settings, not both")
     names = list(config.served_model_name or []) or [engine.model_name]
-    state = ServerState(engine, names, config.max_queued_requests)
+    state = ServerState(engine, names, config.max_queued_requests, config.metric_prefixes, config.log_requests,
+                        config.max_log_len)
 
     app = FastAPI(title="kvllm", version=__version__,
                   description="OpenAI-compatible LLM server with paged KV cache and in-loop KV compression.")
     app.state.kvllm = state
+    middleware.install(app, config)
 
     def openapi_schema() -> dict[str, Any]:
         """FastAPI's schema without the 422 responses it adds by default (validation errors are 400 here)."""
@@ -111,6 +123,13 @@ def build_app(engine: Any, config: ServerConfig | None = None, **settings: Any) 
             return Response(status_code=200)
         return error_response(503, "The engine is not running (its step loop died).")
 
+    @app.get("/ping", responses={503: {"model": ErrorResponse}})
+    async def ping():
+        """Same as /health (the SageMaker probe vLLM serves, GET and POST)."""
+        return await health()
+
+    app.post("/ping", responses={503: {"model": ErrorResponse}}, operation_id="ping_post")(ping)
+
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
@@ -122,14 +141,6 @@ def build_app(engine: Any, config: ServerConfig | None = None, **settings: Any) 
     def _model_cards() -> list[ModelCard]:
         return [ModelCard(id=name, created=state.created, root=engine.model_name,
                           max_model_len=engine.max_model_len) for name in names]
-
-    async def ping():
-        """Liveness for load balancers (SageMaker's /ping): the same answer as /health."""
-        return await health()
-
-    for method in ("GET", "POST"):
-        app.add_api_route("/ping", ping, methods=[method], operation_id=f"ping_{method.lower()}",
-                          responses={503: {"model": ErrorResponse}})
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models():
@@ -145,6 +156,14 @@ def build_app(engine: Any, config: ServerConfig | None = None, **settings: Any) 
     # Health checkers that probe with HEAD must not see a dead server (405): the same answers, without a body.
     for path, handler in (("/health", health), ("/ping", ping), ("/v1/models", list_models)):
         app.add_api_route(path, handler, methods=["HEAD"], include_in_schema=False)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
+    async def tokenize_route(body: TokenizeRequest):
+        return tokenize(state, body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
+    async def detokenize_route(body: DetokenizeRequest):
+        return detokenize(state, body)
 
     _stream_doc = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
 

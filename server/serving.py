@@ -42,11 +42,12 @@ from api.protocol import (
     RequestError,
     UsageInfo,
     clamp_logprob,
-    random_uuid,
     to_sampling_params,
 )
 from server.errors import error_event, error_response, to_request_error
 from server.metrics import RequestTimer, ServerMetrics
+from server.request_ids import engine_ids, response_id
+from server.request_log import log_request
 
 logger = logging.getLogger("kvllm.server")
 
@@ -72,11 +73,15 @@ class Admission:
 class ServerState:
     """What the handlers share: the engine, the served names, admission control, metrics, token strings."""
 
-    def __init__(self, engine: Any, served_model_names: list[str], max_queued_requests: int | None):
+    def __init__(self, engine: Any, served_model_names: list[str], max_queued_requests: int | None,
+                 metric_prefixes: tuple[str, ...] = ("vllm:", "kvllm:"), log_requests: bool = False,
+                 max_log_len: int | None = None):
         self.engine = engine
         self.model_names = served_model_names
         self.max_queued_requests = max_queued_requests
-        self.metrics = ServerMetrics(engine, served_model_names[0])
+        self.metrics = ServerMetrics(engine, served_model_names[0], metric_prefixes)
+        self.log_requests = log_requests
+        self.max_log_len = max_log_len
         self.pending = 0  # admitted requests without a first token yet
         self.created = int(time.time())
         self._token_cache: dict[int, str] = {}
@@ -110,11 +115,14 @@ class ServerState:
     def new_request(self, prompt: Union[str, list[int]], params: Any, request_id: str) -> Any:
         """Encode and validate a prompt once (engine errors become 400s naming the parameter)."""
         try:
-            return self.engine.new_request(prompt, params, request_id)
+            req = self.engine.new_request(prompt, params, request_id)
         except ValueError as err:
             raise to_request_error(err) or RequestError(str(err)) from None
+        if self.log_requests:
+            log_request(logger, req, self.max_log_len)
+        return req
 
-    def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_prompt_ids(self, req: ChatCompletionRequest, add_special_tokens: bool = False) -> list[int]:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise RequestError("This model's tokenizer has no chat template; use /v1/completions.", "messages")
@@ -132,7 +140,7 @@ class ServerState:
         if not isinstance(text, str):
             raise RequestError("The chat template did not produce a prompt string.", "messages")
         try:
-            ids = list(tok(text, add_special_tokens=False).input_ids)
+            ids = list(tok(text, add_special_tokens=add_special_tokens).input_ids)
         except Exception as err:
             raise RequestError(f"Could not tokenize the chat prompt: {err}", "messages") from None
         if not ids:
@@ -228,12 +236,13 @@ class Gen:
                 return
 
     def _observe(self, out: Any) -> None:
-        new = max((len(o.token_ids) for o in out.outputs), default=0)
-        if self.timer.on_delta(new):
+        by_choice = {o.index: len(o.token_ids) for o in out.outputs}
+        if self.timer.on_delta(max(by_choice.values(), default=0), by_choice):
             self.admission.release()
         if out.finished:
             self.admission.release()
-            self.timer.on_finish(self.num_prompt_tokens, [o.finish_reason for o in out.outputs])
+            self.timer.on_finish(self.num_prompt_tokens, [o.finish_reason for o in out.outputs], out.metrics,
+                                 self.request.params)
 
     async def close(self) -> None:
         """Abort the engine request unless it finished; safe to call more than once."""
@@ -475,8 +484,9 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     model = state.resolve_model(body.model)
     state.check_health()
     params = to_sampling_params(body, vocab_size=state.vocab_size)
-    rid = f"cmpl-{random_uuid()}"
-    reqs = [state.new_request(p, params, f"{rid}-{i}") for i, p in enumerate(body.prompts())]
+    rid = response_id("cmpl", raw.scope, body.request_id)
+    prompts = body.prompts()
+    reqs = [state.new_request(p, params, eid) for p, eid in zip(prompts, engine_ids(rid, len(prompts)))]
     tok = state.engine.tokenizer
     echoed = [(p if isinstance(p, str) else tok.decode(r.prompt_token_ids) if tok is not None else "")
               if body.echo else None for p, r in zip(body.prompts(), reqs)]
@@ -490,8 +500,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     model = state.resolve_model(body.model)
     state.check_health()
     params = to_sampling_params(body, vocab_size=state.vocab_size)
-    rid = f"chatcmpl-{random_uuid()}"
-    req = state.new_request(state.chat_prompt_ids(body), params, rid)
+    rid = response_id("chatcmpl", raw.scope, body.request_id)
+    req = state.new_request(state.chat_prompt_ids(body), params, engine_ids(rid, 1)[0])
     admission = state.admit()
     gens = [Gen(state, 0, req, admission)]
     return await ChatServing(state, body, model, rid, gens, admission).respond(raw)
