@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from api.protocol import (
+    MAX_LOGPROBS,
     ChatChoiceLogprobs,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -72,8 +73,13 @@ class Admission:
 class ServerState:
     """What the handlers share: the engine, the served names, admission control, metrics, token strings."""
 
-    def __init__(self, engine: Any, served_model_names: list[str], max_queued_requests: int | None):
+    def __init__(self, engine: Any, served_model_names: list[str], max_queued_requests: int | None, *,
+                 chat_template: str | None = None, sampling_defaults: dict[str, Any] | None = None,
+                 max_logprobs: int = MAX_LOGPROBS):
         self.engine = engine
+        self.chat_template = chat_template  # the template text (--chat-template), None: the tokenizer's
+        self.sampling_defaults = dict(sampling_defaults or {})  # from the model's generation config
+        self.max_logprobs = max_logprobs
         self.model_names = served_model_names
         self.max_queued_requests = max_queued_requests
         self.metrics = ServerMetrics(engine, served_model_names[0])
@@ -114,10 +120,15 @@ class ServerState:
         except ValueError as err:
             raise to_request_error(err) or RequestError(str(err)) from None
 
+    def sampling_params(self, req: Union[CompletionRequest, ChatCompletionRequest]) -> Any:
+        return to_sampling_params(req, vocab_size=self.vocab_size, defaults=self.sampling_defaults,
+                                  max_logprobs=self.max_logprobs)
+
     def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise RequestError("This model's tokenizer has no chat template; use /v1/completions.", "messages")
+        if tok is None or not (self.chat_template or getattr(tok, "chat_template", None)):
+            raise RequestError("This model's tokenizer has no chat template; use /v1/completions or start the "
+                               "server with --chat-template.", "messages")
         messages = [m.to_template_dict() for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
         for reserved in ("conversation", "tokenize", "add_generation_prompt", "continue_final_message",
@@ -126,7 +137,8 @@ class ServerState:
         try:
             text = tok.apply_chat_template(messages, tokenize=False,
                                            add_generation_prompt=req.add_generation_prompt,
-                                           continue_final_message=req.continue_final_message, **kwargs)
+                                           continue_final_message=req.continue_final_message,
+                                           chat_template=self.chat_template, **kwargs)
         except Exception as err:
             raise RequestError(f"Could not apply the chat template: {err}", "messages") from None
         if not isinstance(text, str):
@@ -474,7 +486,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     _log_ignored(body)
     model = state.resolve_model(body.model)
     state.check_health()
-    params = to_sampling_params(body, vocab_size=state.vocab_size)
+    params = state.sampling_params(body)
     rid = f"cmpl-{random_uuid()}"
     reqs = [state.new_request(p, params, f"{rid}-{i}") for i, p in enumerate(body.prompts())]
     tok = state.engine.tokenizer
@@ -489,7 +501,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     _log_ignored(body)
     model = state.resolve_model(body.model)
     state.check_health()
-    params = to_sampling_params(body, vocab_size=state.vocab_size)
+    params = state.sampling_params(body)
     rid = f"chatcmpl-{random_uuid()}"
     req = state.new_request(state.chat_prompt_ids(body), params, rid)
     admission = state.admit()
