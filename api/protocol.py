@@ -18,6 +18,7 @@ raised as `RequestError` (HTTP 400 in the OpenAI error shape) naming the offendi
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
@@ -31,7 +32,7 @@ _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 #: Largest `n` (choices per prompt) accepted.
 MAX_N = 128
-#: Largest number of top logprobs per token (vLLM's default max_logprobs).
+#: Default bound on top logprobs per token (vLLM's default max_logprobs; a server sets its own, --max-logprobs).
 MAX_LOGPROBS = 20
 #: Temperatures in (0, MIN_TEMPERATURE) are raised to it (vLLM does the same: tiny temperatures overflow).
 MIN_TEMPERATURE = 1e-2
@@ -176,7 +177,8 @@ class CompletionRequest(_SamplingFields):
     prompt: PromptType = Field(..., description="A string, a list of strings, token ids, or lists of token ids.")
     max_tokens: Optional[int] = Field(16, ge=1, description="Default 16; null: up to the context limit.")
     echo: Optional[bool] = False
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Optional[int] = Field(None, ge=0, description="Top logprobs per token; at most the server's "
+                                                              "max_logprobs (default 20).")
     best_of: Optional[int] = Field(None, ge=1, description="Only equal to n is supported.")
     suffix: Optional[str] = Field(None, description="Not supported.")
 
@@ -217,7 +219,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = Field(None, ge=1, description="Deprecated alias of max_completion_tokens.")
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="Default: up to the context limit.")
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Optional[int] = Field(None, ge=0, description="At most the server's max_logprobs (default 20).")
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -400,9 +402,10 @@ def _check_unsupported(req: _SamplingFields) -> None:
         raise RequestError("presence_penalty is not supported by kvllm (only 0)", "presence_penalty")
     if req.frequency_penalty:
         raise RequestError("frequency_penalty is not supported by kvllm (only 0)", "frequency_penalty")
-    if req.repetition_penalty is not None and req.repetition_penalty != 1.0:
+    if req.repetition_penalty is not None and req.repetition_penalty != 1.0 and not sampler_supports(
+            "repetition_penalty"):
         raise RequestError("repetition_penalty is not supported by kvllm (only 1)", "repetition_penalty")
-    if req.min_p:
+    if req.min_p and not sampler_supports("min_p"):
         raise RequestError("min_p is not supported by kvllm (only 0)", "min_p")
     if req.logit_bias:
         raise RequestError("logit_bias is not supported by kvllm", "logit_bias")
@@ -427,23 +430,57 @@ def _check_unsupported(req: _SamplingFields) -> None:
                                "continue_final_message")
 
 
-def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], *, vocab_size: int | None = None):
-    """Map a validated request to the engine's SamplingParams; raises RequestError (400) naming the field."""
+def sampler_supports(field: str) -> bool:
+    """Whether the engine's SamplingParams has `field` (min_p and repetition_penalty are passed on once it does)."""
     from engine.sampling_params import SamplingParams
 
+    return field in {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+#: Sampling fields whose default can come from the model's generation config (engine/generation_config.py) but
+#: that the sampler may not support yet: passed to SamplingParams only when it has them.
+OPTIONAL_SAMPLING_FIELDS = ("min_p", "repetition_penalty")
+
+
+def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], *, vocab_size: int | None = None,
+                       defaults: dict[str, Any] | None = None, max_logprobs: int = MAX_LOGPROBS):
+    """Map a validated request to the engine's SamplingParams; raises RequestError (400) naming the field.
+
+    ``defaults`` are the server's sampling defaults (the model's generation config,
+    engine/generation_config.py): a request's own value wins, then the default, then the built-in value; its
+    ``max_tokens`` caps every request, as in vLLM. ``max_logprobs`` bounds ``logprobs`` / ``top_logprobs`` (-1: no
+    bound of the server's)."""
+    from engine.sampling_params import SamplingParams
+
+    defaults = defaults or {}
     _check_unsupported(req)
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        logprobs_param = "top_logprobs"
     else:
         max_tokens = req.max_tokens
         logprobs = req.logprobs
-    temperature = 1.0 if req.temperature is None else float(req.temperature)
+        logprobs_param = "logprobs"
+    if logprobs is not None and max_logprobs != -1 and logprobs > max_logprobs:
+        raise RequestError(f"{logprobs_param}: at most {max_logprobs} top logprobs per token can be requested from "
+                           f"this server (--max-logprobs), got {logprobs}", logprobs_param)
+    caps = [m for m in (max_tokens, defaults.get("max_tokens")) if m is not None]
+    max_tokens = min(caps) if caps else None
+
+    def pick(name: str, builtin: Any) -> Any:
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, builtin)
+
+    temperature = float(pick("temperature", 1.0))
     if 0 < temperature < MIN_TEMPERATURE:
         temperature = MIN_TEMPERATURE
-    top_k = 0 if req.top_k is None else int(req.top_k)
+    top_k = int(pick("top_k", 0))
     if vocab_size is not None and top_k >= vocab_size:
         top_k = 0  # keeping the whole vocabulary is no top-k at all
+    # min_p / repetition_penalty: passed on once the sampler has them (until then a request setting them is rejected
+    # above, and a generation-config default is reported at startup by the server)
+    optional = {name: pick(name, None) for name in OPTIONAL_SAMPLING_FIELDS if sampler_supports(name)}
     stop = req.stop
     if isinstance(stop, list) and not stop:
         stop = None
@@ -453,7 +490,7 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], *, 
         return SamplingParams(
             n=req.n,
             temperature=temperature,
-            top_p=1.0 if req.top_p is None else float(req.top_p),
+            top_p=float(pick("top_p", 1.0)),
             top_k=top_k,
             seed=req.seed,
             max_tokens=max_tokens,
@@ -465,6 +502,7 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], *, 
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             kv_compression=req.kv_compression,
+            **{k: v for k, v in optional.items() if v is not None},
         )
     except ValueError as err:  # engine.errors.InvalidRequestError names the parameter
         raise RequestError(str(err), getattr(err, "param", None)) from None

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from engine.hub import ModelSource
 from paging.kv_cache import bytes_per_block, num_blocks_for_memory
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -89,6 +90,12 @@ class EngineConfig:
     lossless_host_memory: int | str = "1GiB"  # host memory for lossless sequences' full KV (the same store)
     # tensor parallelism (engine/distributed/): ranks 1..N-1 run in spawned worker processes
     tensor_parallel_size: int = 1
+    # where the model comes from (engine/hub.py; vLLM's flags of the same names)
+    tokenizer: str | None = None  # a path or Hub id to load the tokenizer from instead of the model's
+    revision: str | None = None  # Hub branch, tag or commit of the model
+    tokenizer_revision: str | None = None  # the same for the tokenizer
+    download_dir: str | None = None  # the Hugging Face cache folder Hub ids are downloaded into / read from
+    trust_remote_code: bool = False  # let transformers run a repository's tokenizer/config code (never model code)
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -101,6 +108,12 @@ class EngineConfig:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
         if not isinstance(self.watermark, (int, float)) or not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        if not isinstance(self.trust_remote_code, bool):
+            raise ValueError(f"trust_remote_code must be a boolean, got {self.trust_remote_code!r}")
+        for name in ("model", "tokenizer", "revision", "tokenizer_revision", "download_dir"):
+            value = getattr(self, name)
+            if (value is not None or name == "model") and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
         if self.gemm_backend not in GEMM_BACKENDS:
@@ -119,6 +132,11 @@ class EngineConfig:
                 self.kv_cache_dtype in _DTYPES.values() if isinstance(self.kv_cache_dtype, torch.dtype)
                 else self.kv_cache_dtype in _DTYPES):
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.kv_cache_dtype!r}")
+
+    def model_source(self) -> ModelSource:
+        """The model, its tokenizer and where their files come from (Hub ids are resolved by `ModelSource.resolve`)."""
+        return ModelSource(self.model, self.tokenizer, self.revision, self.tokenizer_revision, self.download_dir,
+                           self.trust_remote_code)
 
     def resolve_kv_cache_dtype(self, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
         """The KV pages' dtype. Attention, compression scorers and sampling still compute in the model dtype: a

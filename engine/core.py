@@ -65,7 +65,8 @@ class EngineCore:
                                                                                                        self.dtype)
             kv_manager = DriverKVCacheManager
         else:
-            self.model, self.model_config, self.tokenizer = load_model(config.model, self.dtype, self.device)
+            self.model, self.model_config, self.tokenizer = load_model(config.model_source(), self.dtype,
+                                                                       self.device)
             if config.quantization == "int8":
                 if self.device.type != "cpu":
                     raise ValueError("quantization='int8' is for the CPU path (its kernel is AVX2 C++)")

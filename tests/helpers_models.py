@@ -261,3 +261,28 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def lay_out_hub_cache(cache: Path, repo_id: str, files_from: Path, commit: str, ref: str | None = "main",
+                      only: tuple[str, ...] | None = None) -> Path:
+    """Put the files of `files_from` into a Hugging Face cache folder as huggingface_hub lays out a download:
+    ``models--org--name/blobs/<sha256>``, ``snapshots/<commit>/<file>`` symlinks to them, and ``refs/<ref>`` holding
+    the commit. `only` keeps the files with these suffixes. Returns the snapshot folder."""
+    import hashlib
+    import os
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True)
+    for f in sorted(files_from.iterdir()):
+        if not f.is_file() or (only is not None and not f.name.endswith(only)):
+            continue
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / f.name)
+    if ref is not None:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot

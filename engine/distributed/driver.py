@@ -154,12 +154,13 @@ class TPDriver:
 
         from compression.config import coerce
 
-        early = check_tensor_parallel(config.model, self.size)
+        model_source = config.model_source().resolve()  # Hub ids: fetched once, here
+        early = check_tensor_parallel(model_source, self.size)
         if early is not None:  # reject an impossible compression default before any worker starts
             self._set_heads(early, *head_partition(early.num_q_heads, early.num_kv_heads, self.size))
             self.check_compression(coerce(config.kv_compression))
         self._spawn()
-        model, model_config, tokenizer, source = load_model_for_tp(config.model, dtype, self.device, self.tp)
+        model, model_config, tokenizer, source = load_model_for_tp(model_source, dtype, self.device, self.tp)
         try:
             self.send(P.Init(source, replace(config, kv_compression=None), dtype))
             replies = self._gather(None)[1:]
