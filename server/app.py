@@ -29,10 +29,11 @@ from api.protocol import (
     ModelList,
     RequestError,
 )
-from server.errors import error_response, request_error_response, validation_error_response
 from server.config import ServerConfig
+from server.errors import error_response, request_error_response, validation_error_response
+from server.chat import create_chat_completion
 from server.metrics import CONTENT_TYPE
-from server.serving import ServerState, create_chat_completion, create_completion
+from server.serving import ServerState, create_completion
 
 logger = logging.getLogger("kvllm.server")
 
@@ -55,13 +56,14 @@ def build_app(engine: Any, config: ServerConfig | None = None, **settings: Any) 
     """An OpenAI-compatible app around a started-or-not `engine.Engine` (the engine is not owned: the caller
     shuts it down). ``config`` or keyword ``settings`` are `ServerConfig` fields: ``served_model_name`` (a name
     or a list; default ``engine.model_name``) is what ``/v1/models`` lists and what requests must name;
-    ``max_queued_requests`` bounds the waiting requests (beyond it: 503 + Retry-After)."""
+    ``max_queued_requests`` bounds the waiting requests (beyond it: 503 + Retry-After); ``reasoning_parser``,
+    ``enable_auto_tool_choice`` and ``tool_call_parser`` read chat output (server/chat.py)."""
     if config is None:
         config = ServerConfig(**settings)
     elif settings:
         raise TypeError("give a ServerConfig or keyword settings, not both")
     names = list(config.served_model_name or []) or [engine.model_name]
-    state = ServerState(engine, names, config.max_queued_requests)
+    state = ServerState(engine, names, config.max_queued_requests, config)
 
     app = FastAPI(title="kvllm", version=__version__,
                   description="OpenAI-compatible LLM server with paged KV cache and in-loop KV compression.")
