@@ -100,6 +100,46 @@ def test_hermes_stream_adds_up_to_extract(case):
     assert args == {i: c.arguments for i, c in enumerate(calls) if c.arguments}
 
 
+REQUIRED_OUTPUTS = [
+    ' [{"name": "a", "parameters": {"x": [1, {"y": "]"}]}}, {"parameters": {}, "name": "b"}]',
+    '[{"name": "a"}]',
+    '[{"name": "a", "parameters": {"s": "x\\"]}"}} ,  {"name":"c","parameters":{}}]',
+    '[{"name": "a", "parameters": {"x": 1}}, {"nam',  # cut off
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(REQUIRED_OUTPUTS).flatmap(lambda t: st.tuples(st.just(t), chunking(t))))
+def test_required_stream_adds_up_to_extract(case):
+    text, chunks = case
+    content, names, args, _ = _stream(RequiredToolParser(), chunks)
+    _, calls = RequiredToolParser().extract(text)
+    if calls:  # a cut-off output streams what it had, and is no call at the end
+        assert names == {i: c.name for i, c in enumerate(calls)}
+        assert args == {i: c.arguments for i, c in enumerate(calls) if c.arguments}
+    assert content == ""
+
+
+MALFORMED = ['<tool_call>{"name": "f", "arguments": {</tool_call><tool_call>{"name": "g"}</tool_call>',
+             '<tool_call>not json</tool_call>x<tool_call>{"name": "g", "arguments": {}}</tool_call>',
+             '<tool_call>{"arguments": {"a": 1}, "name": "f"}\n</tool_call>', '[{"name": 3}, {"name": "x"}]']
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(HERMES_OUTPUTS + REQUIRED_OUTPUTS + MALFORMED).flatmap(
+    lambda t: st.tuples(st.just(t), chunking(t))), st.booleans())
+def test_resumed_reading_equals_reading_from_scratch(case, required):
+    """A stream's reading resumes where the previous step stopped; at every step it says what reading the whole
+    text from scratch says."""
+    text, chunks = case
+    parser = RequiredToolParser() if required else HERMES()
+    state, so_far = parser.new_state(), ""
+    for i, chunk in enumerate(chunks):
+        so_far += chunk
+        final = i == len(chunks) - 1
+        assert parser.scan(so_far, final, state) == parser.scan(so_far, final)
+
+
 def test_hermes_stream_holds_partial_markers_and_streams_arguments():
     parser = HERMES()
     content, names, args, order = _stream(parser, ["Hi <tool", "_call>\n{\"na", "me\": \"f\", \"arguments\": {\"a",

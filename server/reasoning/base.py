@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from server.textscan import partial_suffix_len
+from server.textscan import Finder, partial_suffix_len
 
 REASONING, CONTENT = "reasoning", "content"
 
@@ -39,6 +39,7 @@ class ReasoningParser:
     def __init__(self, prompt_text: str = "", chat_template_kwargs: dict[str, Any] | None = None):
         self.explicit_mode = (self.prompt_ends_reasoning(prompt_text)
                               or self.explicit(dict(chat_template_kwargs or {})))
+        self._memo: tuple[int, dict[str, int], _Finders] | None = None  # the last `delta`'s text length, sizes
 
     # -- the per-request choice -------------------------------------------------------------------------
     def explicit(self, chat_template_kwargs: dict[str, Any]) -> bool:
@@ -49,28 +50,34 @@ class ReasoningParser:
         return prompt_text.rfind(self.end) > prompt_text.rfind(self.start)
 
     # -- the split ----------------------------------------------------------------------------------------
-    def layout(self, text: str, final: bool) -> Layout:
-        return self._explicit_layout(text, final) if self.explicit_mode else self._open_layout(text, final)
+    def layout(self, text: str, final: bool, finders: "_Finders | None" = None) -> Layout:
+        """The split of ``text``. ``finders`` carry the marker searches of a text that only grows (`delta`);
+        without them the layout is computed from scratch."""
+        f = finders if finders is not None else _Finders(self)
+        return self._explicit_layout(text, final, f) if self.explicit_mode else self._open_layout(text, final, f)
 
-    def _open_layout(self, text: str, final: bool) -> Layout:
-        e = text.find(self.end)
+    def _open_layout(self, text: str, final: bool, f: "_Finders") -> Layout:
+        e = f.end.find(text)
+        s = f.start.find(text)
         if e >= 0:
             stop = e
         else:
-            markers = (self.end,) if self.start in text else (self.end, self.start)
+            markers = (self.end,) if s >= 0 else (self.end, self.start)
             stop = len(text) - (0 if final else partial_suffix_len(text, markers))
-        s = text.find(self.start, 0, stop)
-        out = [(REASONING, 0, s), (REASONING, s + len(self.start), stop)] if s >= 0 else [(REASONING, 0, stop)]
+        if 0 <= s and s + len(self.start) <= stop:
+            out = [(REASONING, 0, s), (REASONING, s + len(self.start), stop)]
+        else:
+            out = [(REASONING, 0, stop)]
         if e >= 0:
             out.append((CONTENT, e + len(self.end), len(text)))
         return out
 
-    def _explicit_layout(self, text: str, final: bool) -> Layout:
-        s = text.find(self.start)
+    def _explicit_layout(self, text: str, final: bool, f: "_Finders") -> Layout:
+        s = f.start.find(text)
         if s < 0:
             return [(CONTENT, 0, len(text) - (0 if final else partial_suffix_len(text, (self.start,))))]
         body = s + len(self.start)
-        e = text.find(self.end, body)
+        e = f.end_after(body).find(text)
         if e < 0:
             stop = len(text) - (0 if final else partial_suffix_len(text, (self.end,), body))
             return [(CONTENT, 0, s), (REASONING, body, stop)]
@@ -85,13 +92,38 @@ class ReasoningParser:
     def delta(self, previous_text: str, current_text: str, delta_text: str,
               final: bool = False) -> tuple[str, str]:
         """(reasoning, content) newly decided when the output grew from ``previous_text`` to ``current_text``
-        (= ``previous_text + delta_text``); ``final``: the output is complete, release any held-back tail."""
+        (= ``previous_text + delta_text``); ``final``: the output is complete, release any held-back tail.
+        Consecutive calls of one stream reuse the previous call's work (O(new text) per call)."""
         assert current_text.endswith(delta_text) and len(current_text) == len(previous_text) + len(delta_text)
-        sent = {REASONING: 0, CONTENT: 0}
-        for kind, a, b in self.layout(previous_text, final=False):
-            sent[kind] += b - a
-        now = self.layout(current_text, final)
+        memo = self._memo
+        if memo is None or memo[0] != len(previous_text):
+            finders = _Finders(self)
+            memo = (len(previous_text), _sizes(self.layout(previous_text, False, finders)), finders)
+        _, sent, finders = memo
+        now = self.layout(current_text, final, finders)
+        self._memo = (len(current_text), _sizes(now), finders)
         return _tail(current_text, now, REASONING, sent[REASONING]), _tail(current_text, now, CONTENT, sent[CONTENT])
+
+
+class _Finders:
+    """The marker searches of one growing text."""
+
+    def __init__(self, parser: ReasoningParser):
+        self.start, self.end = Finder(parser.start), Finder(parser.end)
+        self._end_marker = parser.end
+        self._after: Finder | None = None
+
+    def end_after(self, body: int) -> Finder:
+        if self._after is None or self._after.start != body:
+            self._after = Finder(self._end_marker, body)
+        return self._after
+
+
+def _sizes(layout: Layout) -> dict[str, int]:
+    out = {REASONING: 0, CONTENT: 0}
+    for kind, a, b in layout:
+        out[kind] += b - a
+    return out
 
 
 def _gather(text: str, layout: Layout) -> dict[str, str]:

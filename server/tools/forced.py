@@ -10,9 +10,10 @@ Both stream like any tool parser (server/tools/base.py): a call's name first, th
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
-from server.tools.base import ParsedToolCall, Scan, ToolCallText, ToolParser, call_from_object, parsed_call
-from server.tools.jsonscan import skip_ws, value_end
+from server.tools.base import ParsedToolCall, Scan, ToolCallText, ToolParser, call_from_reader, parsed_call
+from server.tools.jsonscan import ObjectReader, skip_ws, value_end
 
 
 class NamedToolParser(ToolParser):
@@ -21,7 +22,7 @@ class NamedToolParser(ToolParser):
     def __init__(self, function_name: str):
         self.function_name = function_name
 
-    def scan(self, text: str, final: bool) -> Scan:
+    def scan(self, text: str, final: bool, state: None = None) -> Scan:
         args = text.lstrip()
         return Scan("", [ToolCallText(self.function_name, args)] if args or final else [])
 
@@ -29,28 +30,49 @@ class NamedToolParser(ToolParser):
         return "", [ParsedToolCall(self.function_name, text.strip())]
 
 
+@dataclass
+class _ArrayState:
+    i: int = 0  # where reading continues
+    expect: str = "open"  # "open" ([), "element" ({), "separator" (, or ]), "done"
+    readers: list[ObjectReader] = field(default_factory=list)
+
+
 class RequiredToolParser(ToolParser):
     name = "required"
 
-    def scan(self, text: str, final: bool) -> Scan:
+    def new_state(self) -> _ArrayState:
+        return _ArrayState()
+
+    def scan(self, text: str, final: bool, state: _ArrayState | None = None) -> Scan:
+        st = state if state is not None else self.new_state()
+        self._advance(text, st)
         out = Scan()
-        i = skip_ws(text, 0)
-        if i >= len(text) or text[i] != "[":
-            return out
-        i += 1
-        while True:
-            i = skip_ws(text, i)
-            if i >= len(text) or text[i] != "{":
-                return out
-            end = value_end(text, i)
-            call = call_from_object(text, i, "name", "parameters", complete=end is not None or final)
+        for reader in st.readers:
+            call = call_from_reader(text, reader, "name", "parameters", complete=reader.end is not None or final)
             out.calls.append(call)
-            if call.name is None or end is None:
-                return out
-            i = skip_ws(text, end)
-            if i >= len(text) or text[i] != ",":
-                return out
-            i += 1
+            if call.name is None or reader.end is None:
+                break  # the next call is streamed only after this one's name
+        return out
+
+    @staticmethod
+    def _advance(text: str, st: _ArrayState) -> None:
+        while st.expect != "done":
+            if st.readers and st.readers[-1].end is None:
+                if st.readers[-1].feed(text).end is None:
+                    return
+                st.i, st.expect = st.readers[-1].end, "separator"
+            st.i = skip_ws(text, st.i)
+            if st.i >= len(text):
+                return
+            c = text[st.i]
+            if st.expect == "open" and c == "[":
+                st.i, st.expect = st.i + 1, "element"
+            elif st.expect == "element" and c == "{":
+                st.readers.append(ObjectReader(st.i))
+            elif st.expect == "separator" and c == ",":
+                st.i, st.expect = st.i + 1, "element"
+            else:
+                st.expect = "done"
 
     def parse(self, text: str) -> tuple[str, list[ParsedToolCall]] | None:
         try:

@@ -1,6 +1,11 @@
 """Reading JSON that is still being generated: where a value ends (or that it has not ended yet), and the members
 of an object read so far. Tool-call parsers use these to stream a call's name as soon as it is complete and its
-arguments as raw text while they grow."""
+arguments as raw text while they grow.
+
+The readers are resumable: `feed(text)` continues from where the last call stopped, so a stream that grows by a
+few characters per step costs a few characters per step (``text`` must only grow between calls). Nothing is
+validated beyond delimiting; `json.loads` validates complete outputs.
+"""
 from __future__ import annotations
 
 import json
@@ -16,88 +21,146 @@ def skip_ws(s: str, i: int) -> int:
     return i
 
 
-def value_end(s: str, i: int) -> int | None:
-    """Index just after the JSON value starting at ``s[i]``, or None when ``s`` ends before the value does (a
-    number or literal at the very end might still grow). The value is not validated, only delimited."""
-    if i >= len(s):
-        return None
-    c = s[i]
-    if c == '"':
-        return _string_end(s, i)
-    if c in "{[":
-        depth, j = 0, i
-        while j < len(s):
-            c = s[j]
-            if c == '"':
-                end = _string_end(s, j)
-                if end is None:
-                    return None
-                j = end
-                continue
-            if c in "{[":
-                depth += 1
+class ValueReader:
+    """Finds the end of the JSON value starting at ``start`` (its first character)."""
+
+    def __init__(self, start: int):
+        self.start = start
+        self.i = start  # next character to read
+        self.end: int | None = None  # just after the value, once found
+        self._depth = 0
+        self._in_string = self._escape = False
+
+    def feed(self, s: str) -> int | None:
+        if self.end is not None or self.start >= len(s):
+            return self.end
+        first = s[self.start]
+        i = self.i
+        if first not in '"{[':  # number or literal: ends at a delimiter (at the end of s it may still grow)
+            while i < len(s) and s[i] not in _LITERAL_END:
+                i += 1
+            self.i = i
+            if i < len(s):
+                self.end = i
+            return self.end
+        while i < len(s):
+            c = s[i]
+            i += 1
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    self._in_string = False
+                    if self._depth == 0:  # a top-level string value
+                        self.end = i
+                        break
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
             elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
-        return None
-    j = i
-    while j < len(s) and s[j] not in _LITERAL_END:
-        j += 1
-    return j if j < len(s) else None
+                self._depth -= 1
+                if self._depth == 0:
+                    self.end = i
+                    break
+        self.i = i
+        return self.end
 
 
-def _string_end(s: str, i: int) -> int | None:
-    j = i + 1
-    while j < len(s):
-        c = s[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
+def value_end(s: str, i: int) -> int | None:
+    """Index just after the JSON value starting at ``s[i]``, or None when ``s`` ends before the value does."""
+    return ValueReader(i).feed(s)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Member:
     key: str
     start: int  # the value's first character
     end: int | None  # just after the value; None while it is incomplete
 
 
-def object_members(s: str, i: int = 0) -> list[Member]:
-    """The members of the JSON object starting at ``s[i]`` (after whitespace) as far as ``s`` goes: complete
-    members, then at most one whose value is incomplete. A malformed object yields what was read before."""
-    i = skip_ws(s, i)
-    if i >= len(s) or s[i] != "{":
-        return []
-    out: list[Member] = []
-    i += 1
-    while True:
-        i = skip_ws(s, i)
-        if i >= len(s) or s[i] != '"':
-            return out
-        key_end = _string_end(s, i)
-        if key_end is None:
-            return out
-        try:
-            key = json.loads(s[i:key_end])
-        except ValueError:
-            return out
-        i = skip_ws(s, key_end)
-        if i >= len(s) or s[i] != ":":
-            return out
-        start = skip_ws(s, i + 1)
-        if start >= len(s):
-            return out
-        end = value_end(s, start)
-        out.append(Member(key, start, end))
-        if end is None:
-            return out
-        i = skip_ws(s, end)
-        if i >= len(s) or s[i] != ",":
-            return out
+class ObjectReader:
+    """The members of the JSON object starting at ``start`` (after whitespace), as far as the text goes: complete
+    members, then at most one whose value is incomplete; ``end`` once the object closes; reading stops at
+    anything malformed."""
+
+    def __init__(self, start: int):
+        self.i = start
+        self.members: list[Member] = []
+        self.end: int | None = None
+        self._state = "open"
+        self._key_start = 0
+        self._key = ""
+        self._value: ValueReader | None = None
+
+    @property
+    def bad(self) -> bool:
+        return self._state == "bad"
+
+    def feed(self, s: str) -> "ObjectReader":
+        while self._state not in ("done", "bad"):
+            if not self._step(s):
+                break
+        return self
+
+    def _step(self, s: str) -> bool:
+        """One state transition; False when more text is needed."""
+        state = self._state
+        if state == "value":
+            end = self._value.feed(s)
+            if end is None:
+                return False
+            self.members[-1].end, self.i, self._state = end, end, "after_value"
+            return True
+        if state == "key":
+            close = _string_close(s, self.i)
+            if close is None:
+                return False
+            try:
+                self._key = json.loads(s[self._key_start:close])
+            except ValueError:
+                self._state = "bad"
+                return True
+            self.i, self._state = close, "colon"
+            return True
+        self.i = skip_ws(s, self.i)
+        if self.i >= len(s):
+            return False
+        c = s[self.i]
+        expected = {"open": "{", "colon": ":"}.get(state)
+        if expected is not None:
+            self._state = ("key_or_close" if state == "open" else "value_start") if c == expected else "bad"
+            self.i += 1
+        elif state == "value_start":
+            self._value = ValueReader(self.i)
+            self.members.append(Member(self._key, self.i, None))
+            self._state = "value"
+        elif state == "key_or_close" and c == '"':
+            self._key_start, self.i, self._state = self.i, self.i + 1, "key"
+        elif c == "}" and state in ("key_or_close", "after_value"):
+            self.end, self.i, self._state = self.i + 1, self.i + 1, "done"
+        elif c == "," and state == "after_value":
+            self.i, self._state = self.i + 1, "key_or_close"
+        else:
+            self._state = "bad"
+        return True
+
+
+def _string_close(s: str, i: int) -> int | None:
+    """Index just after the closing quote of the string whose body starts at ``s[i]``, or None."""
+    while i < len(s):
+        c = s[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == '"':
+            return i + 1
         i += 1
+    return None
+
+
+def object_members(s: str, i: int = 0) -> list[Member]:
+    """The members of the JSON object starting at ``s[i]`` (after whitespace) as far as ``s`` goes."""
+    return ObjectReader(i).feed(s).members
