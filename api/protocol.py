@@ -11,6 +11,7 @@ Follows vLLM's OpenAI-compatible server:
   method needs no change here; unknown keys are rejected (a typo must not silently change nothing).
 * Unknown top-level fields are accepted and ignored, as in vLLM (``extra="allow"``); the server logs them.
 * Response, streaming-chunk, usage, model-list and error shapes (``{"error": {message, type, param, code}}``).
+* Chat messages (with reasoning and tool calls) are in api/messages.py, ``tools`` / ``tool_choice`` in api/tools.py.
 
 `to_sampling_params` maps a validated request to the engine's `SamplingParams`; every problem it finds is
 raised as `RequestError` (HTTP 400 in the OpenAI error shape) naming the offending parameter (the engine's
@@ -24,8 +25,11 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
+
+from api.messages import ChatMessage, ChatResponseMessage, DeltaMessage, OmitNone, TextContentPart  # noqa: F401
+from api.tools import ChatCompletionTool, NamedToolChoice, ToolChoiceField, ToolError, resolve_tool_choice
 
 # int64 range, like vLLM's seed bounds (torch generators take 64-bit seeds).
 _INT64_MIN = -(2**63)
@@ -195,25 +199,6 @@ class CompletionRequest(_SamplingFields):
 
 
 # --------------------------------------------------------------------------------------------------- chat
-class TextContentPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(OpenAIBaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[TextContentPart]]] = None
-    name: Optional[str] = None
-
-    def to_template_dict(self) -> dict[str, Any]:
-        d = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            d["content"] = "\n".join(part.text for part in self.content)
-        elif self.content is None:
-            d["content"] = ""
-        return d
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1, description="Deprecated alias of max_completion_tokens.")
@@ -224,26 +209,22 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     response_format: Optional[dict[str, Any]] = Field(None, description="Only {'type': 'text'} is supported.")
-    tools: Optional[list[dict[str, Any]]] = Field(None, description="Not supported (must be empty).")
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    tools: Optional[list[ChatCompletionTool]] = None
+    tool_choice: ToolChoiceField = Field(None, description="none|auto|required|{type: function, function: {name}}; "
+                                                           "default: auto with tools, else none.")
+    parallel_tool_calls: Optional[bool] = Field(True, description="false: at most one tool call.")
+    include_reasoning: bool = Field(True, description="false: leave the reasoning out (--reasoning-parser).")
+    return_prompt_text: Optional[bool] = Field(None, description="true: the response has the templated prompt.")
+
+    def effective_tool_choice(self) -> Union[str, NamedToolChoice]:
+        """tool_choice with its default applied, checked as vLLM checks it (RequestError naming the field)."""
+        try:
+            return resolve_tool_choice(self.tools, self.tool_choice, "tool_choice" in self.model_fields_set)
+        except ToolError as err:
+            raise RequestError(str(err), err.param) from None
 
 
 # --------------------------------------------------------------------------------------------- responses
-class _OmitNone(BaseModel):
-    """Fields listed in ``_omit_none`` are left out of the JSON while None (OpenAI sends no ``usage`` key in
-    ordinary stream chunks and the ``role`` only in a choice's first delta)."""
-
-    _omit_none: tuple[str, ...] = ()
-
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler):
-        data = handler(self)
-        for name in self._omit_none:
-            if data.get(name) is None:
-                data.pop(name, None)
-        return data
-
-
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -282,7 +263,7 @@ class CompletionResponseStreamChoice(BaseModel):
     stop_reason: Optional[Union[int, str]] = None
 
 
-class CompletionStreamResponse(_OmitNone):
+class CompletionStreamResponse(OmitNone):
     _omit_none = ("usage",)
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -306,11 +287,6 @@ class ChatChoiceLogprobs(BaseModel):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
-class ChatResponseMessage(BaseModel):
-    role: str = "assistant"
-    content: Optional[str] = None
-
-
 class ChatCompletionResponseChoice(BaseModel):
     index: int
     message: ChatResponseMessage
@@ -319,19 +295,15 @@ class ChatCompletionResponseChoice(BaseModel):
     stop_reason: Optional[Union[int, str]] = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(OmitNone):
+    _omit_none = ("prompt_text",)
     id: str = Field(default_factory=lambda: f"chatcmpl-{random_uuid()}")
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
-
-
-class DeltaMessage(_OmitNone):
-    _omit_none = ("role",)
-    role: Optional[str] = None
-    content: Optional[str] = None
+    prompt_text: Optional[str] = None  # the templated prompt, with return_prompt_text (vLLM)
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):
@@ -342,14 +314,15 @@ class ChatCompletionResponseStreamChoice(BaseModel):
     stop_reason: Optional[Union[int, str]] = None
 
 
-class ChatCompletionStreamResponse(_OmitNone):
-    _omit_none = ("usage",)
+class ChatCompletionStreamResponse(OmitNone):
+    _omit_none = ("usage", "prompt_text")
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: Optional[UsageInfo] = None
+    prompt_text: Optional[str] = None  # in a choice's first chunk, with return_prompt_text
 
 
 class ModelCard(BaseModel):
@@ -421,8 +394,7 @@ def _check_unsupported(req: _SamplingFields) -> None:
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise RequestError("response_format other than {'type': 'text'} is not supported by kvllm",
                                "response_format")
-        if req.tools:
-            raise RequestError("tools are not supported by kvllm", "tools")
+        req.effective_tool_choice()
         if req.top_logprobs is not None and not req.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
         if req.add_generation_prompt and req.continue_final_message:

@@ -35,12 +35,11 @@ from api.protocol import (
 )
 from api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from server import middleware
-from engine.chat_template import load_chat_template
-from server.errors import error_response, request_error_response, validation_error_response
+from server.chat import create_chat_completion
 from server.config import ServerConfig
+from server.errors import error_response, request_error_response, validation_error_response
 from server.metrics import CONTENT_TYPE
-from server.sampling_defaults import model_sampling_defaults
-from server.serving import ServerState, create_chat_completion, create_completion
+from server.serving import ServerState, create_completion
 from server.tokenization import detokenize, tokenize
 
 logger = logging.getLogger("kvllm.server")
@@ -67,17 +66,15 @@ def build_app(engine: Any, config: ServerConfig | None = None, **settings: Any) 
     shuts it down). ``config`` or keyword ``settings`` are `ServerConfig` fields: ``served_model_name`` (a name
     or a list; default ``engine.model_name``) is what ``/v1/models`` lists and what requests must name;
     ``max_queued_requests`` bounds the waiting requests (beyond it: 503 + Retry-After); ``chat_template``,
-    ``generation_config`` (the default sampling parameters) and ``max_logprobs`` are vLLM's flags; the access,
-    CORS, logging and metrics settings are described on the fields."""
+    ``generation_config`` (the default sampling parameters) and ``max_logprobs`` are vLLM's flags;
+    ``reasoning_parser``, ``enable_auto_tool_choice`` and ``tool_call_parser`` read chat output (server/chat.py);
+    the access, CORS, logging and metrics settings are described on the fields."""
     if config is None:
         config = ServerConfig(**settings)
     elif settings:
         raise TypeError("give a ServerConfig or keyword settings, not both")
     names = list(config.served_model_name or []) or [engine.model_name]
-    state = ServerState(engine, names, config.max_queued_requests, config.metric_prefixes, config.log_requests,
-                        config.max_log_len, chat_template=load_chat_template(config.chat_template),
-                        sampling_defaults=model_sampling_defaults(engine, config.generation_config),
-                        max_logprobs=config.max_logprobs)
+    state = ServerState(engine, names, config.max_queued_requests, config)
 
     app = FastAPI(title="kvllm", version=__version__,
                   description="OpenAI-compatible LLM server with paged KV cache and in-loop KV compression.")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from engine.argspec import setting
 from engine.config import parse_memory
+from server import reasoning, tools
 
 #: Environment variable read for the API key when ``api_key`` is not given (vLLM's name).
 API_KEY_ENV = "VLLM_API_KEY"
@@ -90,6 +91,13 @@ class ServerConfig:
         "both", choices=METRICS_PREFIXES,
         help="/metrics series names: 'vllm:' (vLLM dashboards and routers), 'kvllm:', or both with the same "
              "suffixes and labels")
+    reasoning_parser: str | None = setting(
+        None, choices=tuple(reasoning.names()),
+        help="split chat output into reasoning_content and content (vLLM's parser names)")
+    enable_auto_tool_choice: bool = setting(
+        False, help="let the model call tools on its own (tool_choice 'auto'); needs --tool-call-parser")
+    tool_call_parser: str | None = setting(
+        None, choices=tuple(tools.names()), help="the model's tool-call format (hermes: Hermes, Qwen2.5, Qwen3)")
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):
@@ -123,6 +131,12 @@ class ServerConfig:
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len!r}")
         if self.metrics_prefix not in METRICS_PREFIXES:
             raise ValueError(f"metrics_prefix must be one of {list(METRICS_PREFIXES)}, got {self.metrics_prefix!r}")
+        if self.reasoning_parser is not None:
+            reasoning.get(self.reasoning_parser)
+        if self.tool_call_parser is not None:
+            tools.get(self.tool_call_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
 
     @property
     def api_keys(self) -> list[str]:

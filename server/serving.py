@@ -1,5 +1,5 @@
-"""Completion and chat serving: turn a validated HTTP request into engine requests and their outputs into an
-OpenAI response, either one JSON body or a Server-Sent-Events stream.
+"""Completion serving, and what chat serving (server/chat.py) shares with it: turn a validated HTTP request into
+engine requests and their outputs into an OpenAI response, either one JSON body or a Server-Sent-Events stream.
 
 Each prompt (each of a completion's prompts) is one engine request, created with `engine.new_request` (encoded and
 validated once) before admission, then driven by `engine.stream`. The engine steps in its own thread; handlers only
@@ -25,12 +25,6 @@ from pydantic import BaseModel
 from api.protocol import (
     MAX_LOGPROBS,
     ChatChoiceLogprobs,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionResponseChoice,
-    ChatCompletionResponseStreamChoice,
-    ChatCompletionStreamResponse,
-    ChatResponseMessage,
     ChatTokenLogprob,
     ChatTopLogprob,
     CompletionLogProbs,
@@ -39,16 +33,17 @@ from api.protocol import (
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
-    DeltaMessage,
     RequestError,
     UsageInfo,
     clamp_logprob,
     to_sampling_params,
 )
+from engine.chat_template import load_chat_template
 from server.errors import error_event, error_response, to_request_error
 from server.metrics import RequestTimer, ServerMetrics
 from server.request_ids import engine_ids, response_id
 from server.request_log import log_request
+from server.sampling_defaults import model_sampling_defaults
 
 logger = logging.getLogger("kvllm.server")
 
@@ -75,18 +70,19 @@ class ServerState:
     """What the handlers share: the engine, the served names, admission control, metrics, token strings."""
 
     def __init__(self, engine: Any, served_model_names: list[str], max_queued_requests: int | None,
-                 metric_prefixes: tuple[str, ...] = ("vllm:", "kvllm:"), log_requests: bool = False,
-                 max_log_len: int | None = None, *, chat_template: str | None = None,
-                 sampling_defaults: dict[str, Any] | None = None, max_logprobs: int = MAX_LOGPROBS):
+                 config: Any = None):
+        from server.config import ServerConfig
+
         self.engine = engine
-        self.chat_template = chat_template  # the template text (--chat-template), None: the tokenizer's
-        self.sampling_defaults = dict(sampling_defaults or {})  # from the model's generation config
-        self.max_logprobs = max_logprobs
+        self.config = config if config is not None else ServerConfig()
+        self.chat_template = load_chat_template(self.config.chat_template)  # None: the tokenizer's
+        self.sampling_defaults = model_sampling_defaults(engine, self.config.generation_config)
+        self.max_logprobs = self.config.max_logprobs
         self.model_names = served_model_names
         self.max_queued_requests = max_queued_requests
-        self.metrics = ServerMetrics(engine, served_model_names[0], metric_prefixes)
-        self.log_requests = log_requests
-        self.max_log_len = max_log_len
+        self.metrics = ServerMetrics(engine, served_model_names[0], self.config.metric_prefixes)
+        self.log_requests = self.config.log_requests
+        self.max_log_len = self.config.max_log_len
         self.pending = 0  # admitted requests without a first token yet
         self.created = int(time.time())
         self._token_cache: dict[int, str] = {}
@@ -130,33 +126,6 @@ class ServerState:
     def sampling_params(self, req: Union[CompletionRequest, ChatCompletionRequest]) -> Any:
         return to_sampling_params(req, vocab_size=self.vocab_size, defaults=self.sampling_defaults,
                                   max_logprobs=self.max_logprobs)
-
-    def chat_prompt_ids(self, req: ChatCompletionRequest, add_special_tokens: bool = False) -> list[int]:
-        tok = self.engine.tokenizer
-        if tok is None or not (self.chat_template or getattr(tok, "chat_template", None)):
-            raise RequestError("This model's tokenizer has no chat template; use /v1/completions or start the "
-                               "server with --chat-template.", "messages")
-        messages = [m.to_template_dict() for m in req.messages]
-        kwargs = dict(req.chat_template_kwargs or {})
-        for reserved in ("conversation", "tokenize", "add_generation_prompt", "continue_final_message",
-                         "return_dict", "return_tensors", "chat_template", "tools", "documents"):
-            kwargs.pop(reserved, None)
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False,
-                                           add_generation_prompt=req.add_generation_prompt,
-                                           continue_final_message=req.continue_final_message,
-                                           chat_template=self.chat_template, **kwargs)
-        except Exception as err:
-            raise RequestError(f"Could not apply the chat template: {err}", "messages") from None
-        if not isinstance(text, str):
-            raise RequestError("The chat template did not produce a prompt string.", "messages")
-        try:
-            ids = list(tok(text, add_special_tokens=add_special_tokens).input_ids)
-        except Exception as err:
-            raise RequestError(f"Could not tokenize the chat prompt: {err}", "messages") from None
-        if not ids:
-            raise RequestError("The chat prompt is empty.", "messages")
-        return ids
 
     # -- logprobs -------------------------------------------------------------------------------------
     def token_str(self, token_id: int) -> str:
@@ -341,7 +310,7 @@ def _sse(model: BaseModel) -> str:
 
 
 # ------------------------------------------------------------------------------------------- shared driving
-class _Serving:
+class Serving:
     """The parts completions and chat share: start the engine requests, then collect one body or stream chunks.
     Subclasses say how a choice and a chunk look."""
 
@@ -403,7 +372,9 @@ class _Serving:
                             continue
                         completion_tokens += len(o.token_ids)
                         usage = _usage(self.gens, completion_tokens) if continuous else None
-                        yield _sse(self.chunk(g, o, usage))
+                        chunk = self.chunk(g, o, usage)
+                        if chunk is not None:
+                            yield _sse(chunk)
             if include_usage:
                 yield _sse(self.chunk(None, None, _usage(self.gens, completion_tokens)))
         except asyncio.CancelledError:
@@ -418,12 +389,12 @@ class _Serving:
     def response(self, items: list[tuple[int, Gen, _Choice]], usage: UsageInfo) -> BaseModel:
         raise NotImplementedError
 
-    def chunk(self, g: Gen | None, o: Any, usage: UsageInfo | None) -> BaseModel:
-        """The stream chunk of one delta; with g None, the final usage-only chunk."""
+    def chunk(self, g: Gen | None, o: Any, usage: UsageInfo | None) -> BaseModel | None:
+        """The stream chunk of one delta (None: nothing to send yet); with g None, the final usage-only chunk."""
         raise NotImplementedError
 
 
-class CompletionServing(_Serving):
+class CompletionServing(Serving):
     def __init__(self, *args: Any):
         super().__init__(*args)
         self._offsets: dict[int, int] = {}  # text offset of each choice's logprobs
@@ -455,43 +426,15 @@ class CompletionServing(_Serving):
                                         usage=usage)
 
 
-class ChatServing(_Serving):
-    def __init__(self, *args: Any):
-        super().__init__(*args)
-        self._started: set[int] = set()
-        self._top_n = self.body.top_logprobs or 0
-
-    def response(self, items, usage) -> ChatCompletionResponse:
-        choices = [ChatCompletionResponseChoice(
-            index=idx, message=ChatResponseMessage(role="assistant", content="".join(c.text)),
-            logprobs=self.state.chat_logprobs(c.token_ids, c.logprobs, self._top_n), finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason) for idx, _, c in items]
-        return ChatCompletionResponse(id=self.rid, model=self.model, choices=choices, usage=usage)
-
-    def chunk(self, g, o, usage) -> ChatCompletionStreamResponse:
-        if g is None:
-            return ChatCompletionStreamResponse(id=self.rid, created=self.created, model=self.model, choices=[],
-                                                usage=usage)
-        delta = DeltaMessage(content=o.text)
-        if o.index not in self._started:  # the role travels with the first content (no fake early TTFT)
-            self._started.add(o.index)
-            delta.role = "assistant"
-        choice = ChatCompletionResponseStreamChoice(
-            index=o.index, delta=delta, logprobs=self.state.chat_logprobs(o.token_ids, o.logprobs, self._top_n),
-            finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-        return ChatCompletionStreamResponse(id=self.rid, created=self.created, model=self.model, choices=[choice],
-                                            usage=usage)
-
-
 # ------------------------------------------------------------------------------------------- entry points
-def _log_ignored(body: Any) -> None:
+def log_ignored(body: Any) -> None:
     ignored = body.ignored_fields()
     if ignored:
         logger.warning("The following fields were present in the request but ignored: %s", ignored)
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
-    _log_ignored(body)
+    log_ignored(body)
     model = state.resolve_model(body.model)
     state.check_health()
     params = state.sampling_params(body)
@@ -504,18 +447,6 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     admission = state.admit()
     gens = [Gen(state, i, r, admission, text) for i, (r, text) in enumerate(zip(reqs, echoed))]
     return await CompletionServing(state, body, model, rid, gens, admission).respond(raw)
-
-
-async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
-    _log_ignored(body)
-    model = state.resolve_model(body.model)
-    state.check_health()
-    params = state.sampling_params(body)
-    rid = response_id("chatcmpl", raw.scope, body.request_id)
-    req = state.new_request(state.chat_prompt_ids(body), params, engine_ids(rid, 1)[0])
-    admission = state.admit()
-    gens = [Gen(state, 0, req, admission)]
-    return await ChatServing(state, body, model, rid, gens, admission).respond(raw)
 
 
 # ------------------------------------------------------------------------------------------- transport

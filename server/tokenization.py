@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Union
 
 from api.protocol import RequestError
+from server.chat import render_prompt
 from api.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -31,7 +32,7 @@ def tokenize(state: "ServerState", body: Union[TokenizeCompletionRequest, Tokeni
         if body.add_generation_prompt and body.continue_final_message:
             raise RequestError("add_generation_prompt and continue_final_message cannot both be true",
                                "continue_final_message")
-        ids = state.chat_prompt_ids(body, add_special_tokens=body.add_special_tokens)
+        ids = render_prompt(state, body, add_special_tokens=body.add_special_tokens)[1]
         tok = state.engine.tokenizer
     else:
         tok = _tokenizer(state, "prompt")
