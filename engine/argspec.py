@@ -64,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
         if f.name in skip:
             continue
         names = [flag_name(f.name), *meta["aliases"]]
-        kw: dict[str, Any] = {"dest": f.name, "default": None,
-                              "help": f"{meta['help']} (default: {default_text(f)})"}
+        text = meta["help"] if "(default" in meta["help"] else f"{meta['help']} (default: {default_text(f)})"
+        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": text}
         if tp is bool and meta["parse"] is None:
             kw["action"] = argparse.BooleanOptionalAction
         else:
@@ -89,5 +89,5 @@ def markdown_table(cls: type) -> str:
     rows = ["| flag | default | meaning |", "|---|---|---|"]
     for f, meta, _ in cli_fields(cls):
         names = ", ".join(f"`{n}`" for n in (flag_name(f.name), *meta["aliases"]))
-        rows.append(f"| {names} | `{default_text(f)}` | {meta['help']} |")
+        rows.append(f"| {names} | `{default_text(f)}` | {meta['help'].replace('|', '/')} |")
     return "\n".join(rows)

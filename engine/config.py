@@ -1,12 +1,21 @@
 """Engine configuration: the arguments of `Engine(...)`, their parsing, and the KV-pool sizing."""
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from compression.config import KVCompressionConfig, coerce
+from engine.argspec import setting
+from engine.attention import ATTENTION_BACKENDS
 from engine.hub import ModelSource
+from engine.models.layer_ops import LAYER_OPS
+from engine.models.packed import GEMM_BACKENDS
+from engine.models.quant import QUANTIZATIONS
+from engine.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES
 from paging.kv_cache import bytes_per_block, num_blocks_for_memory
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -36,20 +45,47 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device | None = None) ->
     return _DTYPES[dtype]
 
 
-def parse_memory(value: int | str) -> int:
-    """Bytes from an int or a string such as '512MiB' or '2GB'."""
-    if isinstance(value, int):
-        nbytes = value
+def parse_memory(value: int | str, plain: int = 1) -> int:
+    """Bytes from a size: an int or a numeric string counts in units of ``plain`` (1: bytes; 2**30 for vLLM's GiB
+    flags such as ``--swap-space 4``); otherwise a number with a unit: ``512MiB``, ``2GB``, or vLLM's one-letter
+    units, decimal in lower case and binary in upper case (``4g`` = 4e9, ``4G`` = 4 GiB)."""
+    if isinstance(value, bool):
+        raise ValueError(f"memory sizes must be a number or a size like '2GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        nbytes = int(value * plain)
     else:
-        text = str(value).strip().lower().replace(" ", "")
-        num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        text = str(value).strip().replace(" ", "")
+        num = text.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
         unit = text[len(num):]
-        if unit not in _UNITS or not num:
-            raise ValueError(f"memory sizes must be bytes or a size like '2GiB', got {value!r}")
-        nbytes = int(float(num) * _UNITS[unit])
+        if len(unit) == 1 and unit.lower() in "kmgt" and unit.lower() != "b":
+            scale = (1024 if unit.isupper() else 1000) ** ("kmgt".index(unit.lower()) + 1)
+        elif unit.lower() in _UNITS:
+            scale = _UNITS[unit.lower()] if unit else plain
+        else:
+            scale = None
+        try:
+            nbytes = int(float(num) * scale) if scale is not None and num else None
+        except ValueError:
+            nbytes = None
+        if nbytes is None:
+            raise ValueError(f"memory sizes must be a number or a size like '2GiB', got {value!r}")
     if nbytes <= 0:
         raise ValueError(f"memory sizes must be positive, got {value!r}")
     return nbytes
+
+
+def parse_gib(value: int | float | str) -> int:
+    """Bytes of a vLLM GiB setting (``--swap-space 4``: 4 GiB) that may also carry a unit; 0 turns it off."""
+    return 0 if value in (0, "0") else parse_memory(value, plain=2**30)
+
+
+def parse_length(text: str) -> int:
+    """A token count as vLLM's --max-model-len takes it: 4096, 32k (32,000) or 32K (32,768)."""
+    t = str(text).strip()
+    if t[-1:] in ("k", "K", "m", "M"):
+        base = 1000 if t[-1].islower() else 1024
+        return int(float(t[:-1]) * base ** ("km".index(t[-1].lower()) + 1))
+    return int(t)
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -57,81 +93,146 @@ def _positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-GEMM_BACKENDS = ("auto", "cpu", "torch")
+def _compression_arg(text: str) -> str | dict:
+    """--kv-compression: a method name or a JSON object of settings."""
+    import argparse
+    import json
+
+    text = text.strip()
+    if not text.startswith("{"):
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"invalid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("the JSON value must be an object")
+    return value
+
+
+def _choices(registry) -> tuple[str, ...]:
+    return tuple(registry.names())
+
+
+DTYPES = ("auto", *_DTYPES)
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32", "half", "fp16", "bf16", "float", "fp32")
 
 
 @dataclass
 class EngineConfig:
-    model: str = "smollm2"
-    dtype: str | torch.dtype = "auto"
-    device: str | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | str | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    kv_compression: Any = None
-    attention_backend: str = "auto"
-    gemm_backend: str = "auto"  # linear layers: "cpu" (packed float32 panels, C++), "torch", or "auto"
-    layer_ops: str = "auto"  # RMSNorm + residual, RoPE, SiLU-multiply: "cpu" (C++, float32), "torch", or "auto"
-    watermark: float = 0.01
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    quantization: str | None = None  # "int8": weight-only int8 linear layers (CPU)
-    kv_cache_dtype: str | torch.dtype = "auto"  # dtype the KV pages are stored in ("auto": the model dtype)
-    # memory pressure (engine/scheduler.py)
-    scheduling_policy: str = "fcfs"
-    admission_optimism: float = 1.0
-    projected_output_len: int | None = None
-    preemption_mode: str = "auto"
-    compress_before_preempt: bool = True
-    swap_space: int | str = "1GiB"  # host memory for swapped-out KV blocks (0: recompute only)
-    lossless_host_memory: int | str = "1GiB"  # host memory for lossless sequences' full KV (the same store)
-    # tensor parallelism (engine/distributed/): ranks 1..N-1 run in spawned worker processes
-    tensor_parallel_size: int = 1
-    # where the model comes from (engine/hub.py; vLLM's flags of the same names)
-    tokenizer: str | None = None  # a path or Hub id to load the tokenizer from instead of the model's
-    revision: str | None = None  # Hub branch, tag or commit of the model
-    tokenizer_revision: str | None = None  # the same for the tokenizer
-    download_dir: str | None = None  # the Hugging Face cache folder Hub ids are downloaded into / read from
-    trust_remote_code: bool = False  # let transformers run a repository's tokenizer/config code (never model code)
+    """The arguments of `Engine(...)`: each field declares its `kvllm serve` flag (engine/argspec.py), so flags,
+    their help and the README's table come from here. vLLM's flag names mean what they mean in vLLM."""
+    model: str = setting("smollm2", flag=False, help="the positional MODEL of kvllm serve: 'smollm2', a .gguf file, "
+                                                     "a Hugging Face directory or a Hub id")
+    # -- where the model comes from (engine/hub.py) ---------------------------------------------------------------
+    tokenizer: str | None = setting(None, help="load the tokenizer from this path or Hub id instead of the model's")
+    revision: str | None = setting(None, help="Hub branch, tag or commit of the model (default: main)")
+    tokenizer_revision: str | None = setting(None, help="Hub branch, tag or commit of the tokenizer")
+    download_dir: str | None = setting(None, help="Hugging Face cache folder Hub ids are downloaded into and read "
+                                                  "from (default: $HF_HOME/hub)")
+    trust_remote_code: bool = setting(False, help="let transformers run a repository's tokenizer/config code (the "
+                                                  "model always runs kvllm's own implementation)")
+    # -- numerics and devices -----------------------------------------------------------------------------------
+    dtype: str | torch.dtype = setting("auto", choices=DTYPES, help="model dtype; auto: bfloat16 on CUDA and on "
+                                       "CPUs with AMX/AVX512-BF16, float32 elsewhere (bf16 matmuls are slow there)")
+    device: str | None = setting(None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    seed: int = setting(0, help="seed of requests that give none")
+    quantization: str | None = setting(None, choices=_choices(QUANTIZATIONS),
+                                       help="weight-only quantization of the linear layers (int8: CPU)")
+    attention_backend: str = setting("auto", choices=_choices(ATTENTION_BACKENDS),
+                                     help="auto: FlashInfer on CUDA, the C++ paged kernel on CPU, else torch")
+    gemm_backend: str = setting("auto", choices=_choices(GEMM_BACKENDS),
+                                help="linear layers: cpu = packed float32 panels through the C++ kernel, torch = "
+                                     "F.linear; auto: cpu on an AVX2 CPU for a float32 unquantized model")
+    layer_ops: str = setting("auto", choices=_choices(LAYER_OPS),
+                             help="RMSNorm (+ residual), RoPE, SiLU-multiply: cpu = C++ ops, torch = torch ops; "
+                                  "auto: cpu for a float32 model on the CPU")
+    tensor_parallel_size: int = setting(1, aliases=("-tp",), help="ranks the model is split over (Megatron-style); "
+                                        "ranks 1..N-1 run in spawned worker processes")
+    enforce_eager: bool = setting(False, help="vLLM's flag; kvllm always runs eagerly (CUDA graphs are not wired), "
+                                              "so it changes nothing")
+    # -- the KV cache -------------------------------------------------------------------------------------------
+    block_size: int = setting(16, help="tokens per KV block")
+    num_kv_blocks: int | None = setting(None, aliases=("--num-gpu-blocks-override",),
+                                        help="size of the KV pool in blocks (overrides every memory setting)")
+    kv_cache_memory: int | str | None = setting(
+        None, parse=str, aliases=("--kv-cache-memory-bytes",),
+        help="size of the KV pool: bytes or a size (512MiB, 4GiB, 4G); default: $VLLM_CPU_KVCACHE_SPACE GiB on CPU "
+             "(vLLM's CPU convention) else 2 GiB, and gpu_memory_utilization on CUDA")
+    gpu_memory_utilization: float = setting(0.9, help="CUDA: share of the device's memory the model weights and the "
+                                                      "KV pool may take together (vLLM's meaning)")
+    kv_cache_dtype: str | torch.dtype = setting("auto", choices=KV_CACHE_DTYPES,
+                                                help="dtype of the KV pages (auto: the model's); half pages on CPU "
+                                                     "keep float32 compute")
+    enable_prefix_caching: bool = setting(True, help="reuse the KV blocks of cached prompt prefixes")
+    max_model_len: int | None = setting(None, parse=parse_length, help="longest prompt + output, e.g. 4096 or 32k "
+                                                                       "(default: the model's, fitted to the pool)")
+    # -- batching and memory pressure (engine/scheduler.py) -------------------------------------------------------
+    max_num_seqs: int = setting(64, help="sequences running at once")
+    max_num_batched_tokens: int = setting(2048, help="tokens per step (decodes and prefill chunks together)")
+    watermark: float = setting(0.01, help="share of the pool kept free when admitting while others run")
+    scheduling_policy: str = setting("fcfs", choices=SCHEDULING_POLICIES,
+                                     help="fcfs: admit when the first chunk fits; compression-aware: also when the "
+                                          "projected peak footprint of all running sequences fits")
+    admission_optimism: float = setting(1.0, help="compression-aware: admit while projected blocks <= pool x this")
+    projected_output_len: int | None = setting(None, help="compression-aware: project at most this many outputs")
+    preemption_mode: str = setting("auto", choices=PREEMPTION_MODES,
+                                   help="auto: swap to host memory when copying is cheaper than recomputing")
+    compress_before_preempt: bool = setting(True, help="run a compression round on demand before preempting")
+    swap_space: int | float | str = setting(
+        1, parse=str, help="host memory for swapped KV blocks: GiB as in vLLM (--swap-space 4), or a size (512MiB); "
+                           "0: off (vLLM's default is 4)")
+    lossless_host_memory: int | float | str = setting(
+        1, parse=str, help="host memory for the full KV of lossless requests: GiB, or a size (shares one store "
+                           "with swap_space)")
+    # -- KV compression (compression/) --------------------------------------------------------------------------
+    kv_compression: Any = setting(
+        None, parse=_compression_arg, metavar="METHOD|JSON",
+        help="engine-wide KV compression: a method or a JSON object of settings, e.g. '{\"method\": \"kara\", "
+             "\"ratio\": 0.3}'; requests override it field by field (default: off)")
 
     def __post_init__(self) -> None:
-        _positive_int("block_size", self.block_size)
-        _positive_int("max_num_seqs", self.max_num_seqs)
-        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            _positive_int(name, getattr(self, name))
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
         if not isinstance(self.watermark, (int, float)) or not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
-        if not isinstance(self.trust_remote_code, bool):
-            raise ValueError(f"trust_remote_code must be a boolean, got {self.trust_remote_code!r}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("trust_remote_code", "enable_prefix_caching", "compress_before_preempt", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("model", "tokenizer", "revision", "tokenizer_revision", "download_dir"):
             value = getattr(self, name)
             if (value is not None or name == "model") and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a boolean, got {self.enable_prefix_caching!r}")
-        if self.gemm_backend not in GEMM_BACKENDS:
-            raise ValueError(f"gemm_backend must be one of {GEMM_BACKENDS}, got {self.gemm_backend!r}")
-        if self.layer_ops not in GEMM_BACKENDS:
-            raise ValueError(f"layer_ops must be one of {GEMM_BACKENDS}, got {self.layer_ops!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+        for name, registry in (("attention_backend", ATTENTION_BACKENDS), ("gemm_backend", GEMM_BACKENDS),
+                               ("layer_ops", LAYER_OPS)):
+            registry.get(getattr(self, name))  # a ValueError naming the setting and its choices
+        if self.quantization is not None:
+            QUANTIZATIONS.get(self.quantization)
         if self.gemm_backend == "cpu" and self.quantization is not None:
             raise ValueError(f"gemm_backend='cpu' packs float32 weights; quantization={self.quantization!r} brings "
                              f"its own kernel (use gemm_backend 'auto')")
         for name in ("swap_space", "lossless_host_memory"):
-            if getattr(self, name) not in (0, "0"):
-                parse_memory(getattr(self, name))  # a clear error now
+            parse_gib(getattr(self, name))  # a clear error now
+        if self.kv_cache_memory is not None:
+            parse_memory(self.kv_cache_memory)
         if self.kv_cache_dtype != "auto" and not (
                 self.kv_cache_dtype in _DTYPES.values() if isinstance(self.kv_cache_dtype, torch.dtype)
                 else self.kv_cache_dtype in _DTYPES):
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.kv_cache_dtype!r}")
+        # resolved once: every request's own setting is merged over this typed config (compression/config.py)
+        self.kv_compression = coerce(self.kv_compression) or KVCompressionConfig("none")
+
+    def ignored_settings(self) -> list[str]:
+        """vLLM settings given that mean nothing here (one startup warning each)."""
+        return ["enforce_eager: kvllm always runs eagerly (CUDA graphs are not wired)"] if self.enforce_eager else []
 
     def model_source(self) -> ModelSource:
         """The model, its tokenizer and where their files come from (Hub ids are resolved by `ModelSource.resolve`)."""
@@ -164,18 +265,19 @@ class EngineConfig:
                            num_kv_heads: int | None = None) -> int:
         """KV blocks this process can hold. Under tensor parallelism each rank stores only its `num_kv_heads`, and
         `kv_cache_memory` (and the CPU default, 2 GiB) is for the whole engine, split evenly over the ranks: an even
-        head split then gives every tensor-parallel size the same number of blocks. The CUDA default is 80% of each
-        rank's own free device memory."""
+        head split then gives every tensor-parallel size the same number of blocks. On CUDA each rank's pool takes
+        what is free within gpu_memory_utilization of its device."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         c = model_config
         heads = c.num_kv_heads if num_kv_heads is None else num_kv_heads
         if self.kv_cache_memory is not None:
             budget = parse_memory(self.kv_cache_memory) // self.tensor_parallel_size
-        elif device.type == "cuda":
-            budget = int(torch.cuda.mem_get_info(device)[0] * 0.8)
-        else:
-            budget = 2 * 2**30 // self.tensor_parallel_size
+        elif device.type == "cuda":  # vLLM's rule: weights and KV pool together within this share of the device
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(free - (1 - self.gpu_memory_utilization) * total)
+        else:  # vLLM's CPU backend sizes its pool with VLLM_CPU_KVCACHE_SPACE (GiB)
+            budget = parse_gib(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 2) // self.tensor_parallel_size
         n = num_blocks_for_memory(budget, c.num_layers, self.block_size, heads, c.head_dim, dtype)
         if n < 1:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r} is smaller than one KV block "
@@ -186,7 +288,7 @@ class EngineConfig:
     def host_blocks(self, model_config, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
         """Blocks of the host store: swap space plus the lossless full tier (one pool, one tensor), of this rank's KV
         heads. Both are host memory for the whole engine, split evenly over the tensor-parallel ranks."""
-        nbytes = sum(parse_memory(v) for v in (self.swap_space, self.lossless_host_memory) if v not in (0, "0"))
+        nbytes = parse_gib(self.swap_space) + parse_gib(self.lossless_host_memory)
         c = model_config
         heads = c.num_kv_heads if num_kv_heads is None else num_kv_heads
         return num_blocks_for_memory(nbytes // self.tensor_parallel_size, c.num_layers, self.block_size, heads,

@@ -19,6 +19,8 @@ from engine.config import EngineConfig, parse_dtype
 from engine.errors import InvalidRequestError, RequestFailedError
 from engine.model_runner import ModelRunner
 from engine.models.layer_ops import pick_layer_ops
+from engine.models.packed import GEMM_BACKENDS
+from engine.models.quant import QUANTIZATIONS
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
@@ -67,13 +69,9 @@ class EngineCore:
         else:
             self.model, self.model_config, self.tokenizer = load_model(config.model_source(), self.dtype,
                                                                        self.device)
-            if config.quantization == "int8":
-                if self.device.type != "cpu":
-                    raise ValueError("quantization='int8' is for the CPU path (its kernel is AVX2 C++)")
-                from engine.models.quant import quantize_int8
-
-                quantize_int8(self.model)
-            self._pack_linears(config)
+            if config.quantization is not None:
+                QUANTIZATIONS.get(config.quantization)(self.model)
+            GEMM_BACKENDS.get(config.gemm_backend)(self.model, config.quantization is not None)
             num_blocks = config.resolve_num_blocks(self.model_config, self.kv_dtype, self.device)
             host_blocks = config.host_blocks(self.model_config, self.kv_dtype)
             kv_manager = KVCacheManager
@@ -106,17 +104,6 @@ class EngineCore:
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.counters = EngineStats(num_blocks=num_blocks)
-
-    def _pack_linears(self, config: EngineConfig) -> None:
-        """gemm_backend: 'cpu' packs the float32 linear layers for the C++ GEMM (engine/models/packed.py); 'auto'
-        does so where it can run (CPU with AVX2, float32, unsharded, not quantized), else keeps torch's."""
-        if config.gemm_backend == "torch" or config.quantization is not None:
-            return
-        from engine.models.packed import can_pack, pack_linears
-
-        if config.gemm_backend == "auto" and can_pack(self.model) is not None:
-            return
-        pack_linears(self.model)
 
     # -- inputs -------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:

@@ -67,6 +67,8 @@ class Engine:
             self.core.driver.start_monitor(self._worker_died)
         for line in self.capacity_log_lines():
             logger.info(line)
+        for what in self.config.ignored_settings():
+            logger.warning("ignored setting %s", what)
 
     # -- what the engine serves ---------------------------------------------------------------------------
     @property

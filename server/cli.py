@@ -49,8 +49,8 @@ _nonneg_int = _int_at_least(0, "an integer >= 0")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from compression import names
     from engine.argspec import add_arguments
+    from engine.config import EngineConfig
     from server.config import ServerConfig
 
     p.add_argument("model", nargs="?", default=None,
@@ -58,69 +58,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "as Qwen/Qwen3-0.6B (fetched into the HF cache unless HF_HUB_OFFLINE=1)")
     p.add_argument("--model", dest="model_opt", default=None, help="same as the positional MODEL")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, default=8000)
-    g = p.add_argument_group("engine")
-    g.add_argument("--tokenizer", default=None,
-                   help="load the tokenizer from this path or Hub id instead of the model's (default: the model's)")
-    g.add_argument("--revision", default=None, help="Hub branch, tag or commit of the model (default: main)")
-    g.add_argument("--tokenizer-revision", default=None, help="Hub branch, tag or commit of the tokenizer")
-    g.add_argument("--download-dir", default=None,
-                   help="Hugging Face cache folder Hub ids are downloaded into and read from (default: the HF cache, "
-                        "$HF_HOME/hub)")
-    g.add_argument("--trust-remote-code", action="store_true", default=None,
-                   help="let transformers run a repository's tokenizer/config code (the model always runs kvllm's "
-                        "own implementation)")
-    g.add_argument("--dtype", default=None, help="auto|bfloat16|float16|float32 (default auto: bf16 on CUDA and AMX/AVX512-BF16 CPUs, else fp32)")
-    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
-    g.add_argument("--max-model-len", type=_positive_int, default=None)
-    g.add_argument("--block-size", type=_positive_int, default=None, help="tokens per KV block")
-    kv = g.add_mutually_exclusive_group()
-    kv.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="size of the KV pool in blocks")
-    kv.add_argument("--kv-cache-memory", default=None, help="size of the KV pool in bytes, e.g. 512MiB, 4GiB")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
-    g.add_argument("--attention-backend", default=None,
-                   help="auto|cpu|torch|flashinfer (auto: FlashInfer on CUDA, the C++ kernel on CPU, else torch)")
-    g.add_argument("--gemm-backend", choices=["auto", "cpu", "torch"], default=None,
-                   help="linear layers: cpu = packed float32 panels through the C++ kernel, torch = F.linear "
-                        "(default auto: cpu on an AVX2 CPU for float32 unquantized models, else torch)")
-    g.add_argument("--layer-ops", choices=["auto", "cpu", "torch"], default=None,
-                   help="RMSNorm (+ residual add), RoPE, SiLU-multiply: cpu = the C++ ops, torch = torch ops "
-                        "(default auto: cpu for a float32 model on the CPU, else torch)")
-    g.add_argument("--threads", type=_nonneg_int, default=None,
+    p.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    add_arguments(p.add_argument_group("engine (engine/config.py: EngineConfig)"), EngineConfig)
+    p.add_argument("--threads", type=_nonneg_int, default=None,
                    help="CPU intra-op threads (default: every core, with a passive OpenMP wait policy)")
-    g.add_argument("--kv-cache-dtype", default=None,
-                   help="auto|float16|bfloat16|float32: dtype of the KV pages (default auto = the model dtype; "
-                        "CPU only otherwise; attention still computes in the model dtype)")
-    g.add_argument("--quantization", choices=["int8"], default=None,
-                   help="weight-only int8 linear layers on CPU (off by default: greedy output may differ)")
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=None,
-                   help="ranks the model is split over (Megatron-style); ranks 1..N-1 run in spawned worker "
-                        "processes (default 1)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse the KV blocks of cached prompt prefixes (default: on)")
-    m = p.add_argument_group("memory pressure")
-    m.add_argument("--scheduling-policy", choices=["fcfs", "compression-aware"], default=None,
-                   help="fcfs: admit when the first chunk fits; compression-aware: also when the projected peak "
-                        "footprint of all running sequences (under their compression) fits (default: fcfs)")
-    m.add_argument("--admission-optimism", type=float, default=None,
-                   help="compression-aware: admit while projected blocks <= pool x this (default 1.0)")
-    m.add_argument("--projected-output-len", type=_positive_int, default=None,
-                   help="compression-aware: project at most this many output tokens per request")
-    m.add_argument("--preemption-mode", choices=["recompute", "swap", "auto"], default=None,
-                   help="auto: swap to host memory when copying is cheaper than recomputing (default: auto)")
-    m.add_argument("--swap-space", default=None, help="host memory for swapped KV blocks, e.g. 4GiB (default 1GiB)")
-    m.add_argument("--lossless-host-memory", default=None,
-                   help="host memory for the full KV of lossless requests (kv_compression lossless: true), e.g. "
-                        "8GiB (default 1GiB; shares one store with --swap-space)")
-    m.add_argument("--compress-before-preempt", action=argparse.BooleanOptionalAction, default=None,
-                   help="run a compression round on demand before preempting (default: on)")
     add_arguments(p.add_argument_group("server"), ServerConfig)
-    c = p.add_argument_group("KV compression (per-request overrides: the kv_compression body field)")
-    c.add_argument("--kv-compression", default=None, metavar="METHOD|JSON",
-                   help=f"engine-wide default: a method ({', '.join(names())}) or a JSON object of settings, e.g. "
-                        "'{\"method\": \"kara\", \"ratio\": 0.3, \"window\": 512}' (default: off)")
+    c = p.add_argument_group("KV compression shortcuts (merged over --kv-compression; requests override them with "
+                             "the kv_compression body field)")
     c.add_argument("--kara-ratio", type=float, default=None, help="r: fraction of each window region kept")
     c.add_argument("--kara-window", type=int, default=None, help="|W|: window size in tokens")
     c.add_argument("--kara-buffer", type=int, default=None, help="|U|: newest tokens kept uncompressed")
@@ -141,49 +85,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def compression_from_args(args: argparse.Namespace) -> Any:
-    """None (engine default) or a validated dict of settings: --kv-compression (a method or JSON) with the
-    convenience flags merged over it. Raises ValueError naming the field."""
-    import json
-
-    from compression import coerce
-
-    d: dict[str, Any] = {}
-    value = args.kv_compression
-    if value is not None:
-        text = value.strip()
-        if text.startswith("{"):
-            try:
-                d = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"--kv-compression: invalid JSON: {err}") from None
-            if not isinstance(d, dict):
-                raise ValueError("--kv-compression: the JSON value must be an object")
-        else:
-            d = {"method": text}
+    """None (engine default) or the settings of --kv-compression (a method or a JSON object) with the shortcut flags
+    merged over it (EngineConfig validates them)."""
+    value = getattr(args, "kv_compression", None)
+    d: dict[str, Any] = dict(value) if isinstance(value, dict) else {"method": value} if value is not None else {}
     for flag, field in _COMPRESSION_FLAGS.items():
         v = getattr(args, flag, None)
         if v is not None:
             d[field] = v
     if getattr(args, "compress_prompt", None):
         d["compress_prompt"] = True
-    if not d:
-        return None
-    coerce(d)  # validate now for a clean CLI error
-    return d
+    return d or None
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    kw: dict[str, Any] = {}
-    for name in ("dtype", "device", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_memory",
-                 "max_num_seqs", "max_num_batched_tokens", "attention_backend", "seed", "enable_prefix_caching",
-                 "quantization", "kv_cache_dtype", "gemm_backend", "layer_ops",
-                 "scheduling_policy", "admission_optimism", "projected_output_len", "preemption_mode", "swap_space",
-                 "lossless_host_memory",
-                 "compress_before_preempt", "tensor_parallel_size",
-                 "tokenizer", "revision", "tokenizer_revision", "download_dir", "trust_remote_code"):
-        v = getattr(args, name, None)
-        if v is not None:
-            kw[name] = v
+    """The EngineConfig settings given on the command line (each field declares its own flag)."""
+    from engine.argspec import given
+    from engine.config import EngineConfig
+
+    kw = given(args, EngineConfig)
     comp = compression_from_args(args)
     if comp is not None:
         kw["kv_compression"] = comp
@@ -214,10 +134,12 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"two models given: {args.model!r} and --model {args.model_opt!r}")
     model = args.model or args.model_opt or "smollm2"
     from engine.argspec import given
+    from engine.config import EngineConfig
     from server.config import ServerConfig
 
     try:
         engine_kwargs = engine_kwargs_from_args(args)
+        EngineConfig(model=model, **engine_kwargs)  # a bad setting is a usage error, before anything loads
         server_config = ServerConfig(**given(args, ServerConfig))
     except ValueError as err:
         parser.error(str(err))
@@ -275,8 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvllm", description="kvllm: LLM inference server with KV compression")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")  # flags state their defaults
     add_serve_args(serve)
     serve.set_defaults(handler=lambda a: cmd_serve(a, serve))
 

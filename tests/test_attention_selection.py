@@ -39,7 +39,7 @@ def test_flashinfer_on_cpu_device_raises_clear_error():
 
 
 def test_bad_backend_name():
-    with pytest.raises(ValueError, match="'auto', 'torch' or 'flashinfer'"):
+    with pytest.raises(ValueError, match=r"attention_backend must be one of \['auto', 'cpu', 'torch', 'flashinfer'\]"):
         get_backend("flash", "cpu")
 
 

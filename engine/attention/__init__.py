@@ -1,49 +1,59 @@
 import logging
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, build_metadata
+from util import Registry
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "build_metadata", "get_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "build_metadata", "get_backend", "ATTENTION_BACKENDS"]
 
 logger = logging.getLogger("kvllm.attention")
 
 
+#: EngineConfig.attention_backend -> function (device) building the backend
+ATTENTION_BACKENDS: Registry = Registry("attention_backend")
+
+
 def get_backend(name: str, device) -> "AttentionBackend":
-    """Pick the attention backend: 'cpu' (the C++ paged kernel), 'torch', 'flashinfer' or 'auto' (FlashInfer on
-    CUDA when it imports; on the CPU the C++ kernel when it builds, else torch with a warning)."""
+    """Build the attention backend named by EngineConfig.attention_backend for `device`."""
     import torch
 
-    if name not in ("auto", "torch", "flashinfer", "cpu"):
-        raise ValueError(f"attention_backend must be 'cpu', 'auto', 'torch' or 'flashinfer', got {name!r}")
-    device = torch.device(device)
-    if name == "cpu" and device.type != "cpu":
-        raise ValueError(f"attention_backend 'cpu' runs on CPU devices only, got device {device}")
-    if name == "auto":
+    return ATTENTION_BACKENDS.get(name)(torch.device(device))
+
+
+@ATTENTION_BACKENDS.register("auto")
+def _auto(device) -> "AttentionBackend":
+    """FlashInfer on CUDA when it imports; on the CPU the C++ kernel when it builds, else torch with a warning."""
+    if device.type == "cuda":
         from engine.attention.flashinfer import is_available
 
-        if device.type == "cuda":
-            name = "flashinfer" if is_available() else "torch"
-        elif device.type == "cpu":
-            from engine.attention.cpu_ext import ExtensionUnavailable
+        return _flashinfer(device) if is_available() else _torch(device)
+    if device.type == "cpu":
+        from engine.attention.cpu_ext import ExtensionUnavailable
 
-            try:
-                return _cpu_backend()
-            except ExtensionUnavailable as exc:
-                logger.warning("CPU attention kernel unavailable, using the torch backend (slower): %s", exc)
-                name = "torch"
-        else:
-            name = "torch"
-    if name == "cpu":
-        return _cpu_backend()
-    if name == "flashinfer":
-        from engine.attention.flashinfer import FlashInferBackend
+        try:
+            return _cpu(device)
+        except ExtensionUnavailable as exc:
+            logger.warning("CPU attention kernel unavailable, using the torch backend (slower): %s", exc)
+    return _torch(device)
 
-        return FlashInferBackend(device)
+
+@ATTENTION_BACKENDS.register("cpu")
+def _cpu(device) -> "AttentionBackend":
+    if device.type != "cpu":
+        raise ValueError(f"attention_backend 'cpu' runs on CPU devices only, got device {device}")
+    from engine.attention.cpu_paged import CpuPagedBackend
+
+    return CpuPagedBackend()
+
+
+@ATTENTION_BACKENDS.register("torch")
+def _torch(device) -> "AttentionBackend":
     from engine.attention.torch_paged import TorchPagedBackend
 
     return TorchPagedBackend()
 
 
-def _cpu_backend():
-    from engine.attention.cpu_paged import CpuPagedBackend
+@ATTENTION_BACKENDS.register("flashinfer")
+def _flashinfer(device) -> "AttentionBackend":
+    from engine.attention.flashinfer import FlashInferBackend
 
-    return CpuPagedBackend()
+    return FlashInferBackend(device)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from util import Registry
+
 
 class TorchLayerOps:
     name = "torch"
@@ -103,14 +105,29 @@ def can_use_cpu_ops(model: torch.nn.Module) -> str | None:
     return None
 
 
+#: EngineConfig.layer_ops -> function choosing the ops object for a loaded model
+LAYER_OPS: Registry = Registry("layer_ops")
+
+
+@LAYER_OPS.register("torch")
+def _torch_ops(model: torch.nn.Module) -> TorchLayerOps:
+    return TORCH_LAYER_OPS
+
+
+@LAYER_OPS.register("cpu")
+def _cpu_ops(model: torch.nn.Module) -> TorchLayerOps:
+    why = can_use_cpu_ops(model)
+    if why is not None:
+        raise ValueError(f"layer_ops='cpu' cannot run: {why}")
+    return CpuLayerOps()
+
+
+@LAYER_OPS.register("auto")
+def _auto_ops(model: torch.nn.Module) -> TorchLayerOps:
+    return CpuLayerOps() if can_use_cpu_ops(model) is None else TORCH_LAYER_OPS
+
+
 def pick_layer_ops(setting: str, model: torch.nn.Module) -> TorchLayerOps:
     """EngineConfig.layer_ops ('auto', 'cpu' or 'torch') -> the ops object for `model`. Raises ValueError (naming
     layer_ops) for 'cpu' where it cannot run."""
-    if setting == "torch":
-        return TORCH_LAYER_OPS
-    why = can_use_cpu_ops(model)
-    if why is None:
-        return CpuLayerOps()
-    if setting == "cpu":
-        raise ValueError(f"layer_ops='cpu' cannot run: {why}")
-    return TORCH_LAYER_OPS
+    return LAYER_OPS.get(setting)(model)

@@ -21,6 +21,11 @@ import types
 import torch
 from torch import nn
 
+from util import Registry
+
+#: EngineConfig.gemm_backend -> function (model, quantized) applying it to a loaded model in place
+GEMM_BACKENDS: Registry = Registry("gemm_backend")
+
 PANEL = 16  # output channels per panel (the kernel's register tile width)
 
 
@@ -115,3 +120,20 @@ def pack_linears(model: nn.Module) -> nn.Module:
             model.lm_head = None  # its dense weight is no longer used
         model.compute_logits = types.MethodType(_packed_compute_logits, model)
     return model
+
+
+@GEMM_BACKENDS.register("torch")
+def _torch_gemm(model: nn.Module, quantized: bool) -> None:
+    pass  # F.linear, as loaded
+
+
+@GEMM_BACKENDS.register("cpu")
+def _cpu_gemm(model: nn.Module, quantized: bool) -> None:
+    pack_linears(model)
+
+
+@GEMM_BACKENDS.register("auto")
+def _auto_gemm(model: nn.Module, quantized: bool) -> None:
+    """Packs where it can run (CPU with AVX2, float32, unsharded); a quantized model keeps its own kernel."""
+    if not quantized and can_pack(model) is None:
+        pack_linears(model)

@@ -25,6 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from util import Registry
+
+#: quantization name -> function quantizing a loaded model in place (EngineConfig.quantization)
+QUANTIZATIONS: Registry = Registry("quantization")
+
 PANEL = 16  # output channels per packed panel (the kernel's register tile width)
 GROUP = 32  # input columns per scale
 
@@ -148,3 +153,10 @@ def quantize_int8(model: nn.Module, lm_head: bool = True, group_size: int | None
 def dequantize_reference(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
     """x @ (q * scale)^T + b in float64 from the layer's packed weights (what the kernel must compute)."""
     return F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+
+
+@QUANTIZATIONS.register("int8")
+def _int8(model: nn.Module) -> None:
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("quantization='int8' is for the CPU path (its kernel is AVX2 C++)")
+    quantize_int8(model)
