@@ -477,6 +477,8 @@ class EngineCore:
         s.recomputed_tokens = self.scheduler.recomputed_tokens
         s.full_tier_bytes = self.kv.full_tier_bytes
         s.prefix_cache_queries, s.prefix_cache_hits = self.kv.prefix_queries, self.kv.prefix_hits
+        st = self.structured  # [structured outputs]
+        s.structured_fill_seconds, s.structured_apply_seconds, s.structured_accept_seconds = st.seconds
         return s
 
     def reset_stats(self) -> None:
@@ -486,6 +488,7 @@ class EngineCore:
         self.compression.stats = RoundStats()
         self.kv.prefix_queries = self.kv.prefix_hits = 0
         self.scheduler.recomputed_tokens = 0
+        self.structured.seconds = (0.0, 0.0, 0.0)  # [structured outputs]
 
     def check_invariants(self) -> None:
         """KV-manager invariants (exact block counts, ref counts = table references), and no block in use once

@@ -137,8 +137,7 @@ class StructuredOutputs:
         self._batch = None
         self._lock = threading.Lock()  # requests are created on the callers' threads
         self._bitmask: torch.Tensor | None = None
-        self.mask_seconds = 0.0  # fill + apply, for the bench and stats
-        self.accept_seconds = 0.0
+        self.seconds = (0.0, 0.0, 0.0)  # (fill, apply, accept): EngineStats.structured_*_seconds
 
     # -- compile ------------------------------------------------------------------------------------------
     def _xgr(self):
@@ -213,28 +212,32 @@ class StructuredOutputs:
         if not rows:
             return
         t0 = time.perf_counter()
-        xgr = self._xgr()
         for i in rows:
             sync(seqs[i])
         bitmask = self._buffer(len(seqs))
         self._batch.batch_fill_next_token_bitmask([seqs[i].structured.matcher for i in rows], bitmask, rows)
+        t1 = time.perf_counter()
         device_mask = bitmask.to(logits.device, non_blocking=True) if logits.device.type != "cpu" else bitmask
         before = logits[rows].clone() if _may_empty(seqs, rows) else None
-        xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=self.vocab_size, indices=rows)
+        apply_bitmask(logits, device_mask, rows, self.vocab_size)
         if before is not None:
             _restore_empty_rows(logits, rows, before, bitmask, self.vocab_size)
-        self.mask_seconds += time.perf_counter() - t0
+        fill, apply, accept = self.seconds
+        self.seconds = (fill + t1 - t0, apply + time.perf_counter() - t1, accept)
 
     def accept(self, seq: Sequence, token: int) -> None:
         """Advance the sequence's matcher by its newly committed output token (already appended)."""
         st = seq.structured
         if st is None:
             return
+        t0 = time.perf_counter()
         sync(seq, upto=seq.num_outputs - 1)
         if not st.matcher.accept_token(token):
             raise RuntimeError(f"structured outputs: the grammar rejected token {token} of request "
                                f"{seq.request_id} (the mask was not applied to its logits)")
         st.num_accepted += 1
+        fill, apply, accept = self.seconds
+        self.seconds = (fill, apply, accept + time.perf_counter() - t0)
 
 
 def sync(seq: Sequence, upto: int | None = None) -> None:
@@ -249,6 +252,42 @@ def sync(seq: Sequence, upto: int | None = None) -> None:
         if not st.matcher.accept_token(seq.output_token_ids[st.num_accepted]):
             raise RuntimeError(f"structured outputs: request {seq.request_id}'s outputs left its grammar")
         st.num_accepted += 1
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int) -> None:
+    """logits[r, t] = -inf where bit t of bitmask[r] is 0, for r in rows (in place).
+
+    xgrammar's CPU kernel skips all-allowed 32-token words but writes every banned token one by one, so a row
+    where the grammar allows a few tokens (most JSON positions outside strings) costs it a full row of scattered
+    writes. Such rows (fewer words with an allowed token than words with a banned one) go another way here: keep
+    the allowed logits, fill the row with -inf, put them back. The other rows, and every row off the CPU, take the
+    library's kernel."""
+    import xgrammar as xgr
+
+    sparse: list[int] = []
+    if logits.device.type == "cpu":
+        words = bitmask[rows]
+        few = ((words != 0).sum(1) < (words != -1).sum(1)).tolist()
+        sparse = [r for r, f in zip(rows, few) if f]
+    chosen = set(sparse)
+    dense = [r for r in rows if r not in chosen]
+    if dense:
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=dense)
+    if not sparse:
+        return
+    index = torch.tensor(sparse)
+    words = bitmask[index]
+    w_row, w_col = (words != 0).nonzero(as_tuple=True)
+    bit_row, bit = (((words[w_row, w_col].unsqueeze(-1) >> _SHIFTS) & 1) != 0).nonzero(as_tuple=True)
+    r, c = index[w_row[bit_row]], w_col[bit_row] * 32 + bit
+    keep = c < min(vocab, logits.shape[1])
+    r, c = r[keep], c[keep]
+    values = logits[r, c]
+    logits.index_fill_(0, index, float("-inf"))
+    logits[r, c] = values
 
 
 def _may_empty(seqs: list[Sequence], rows: list[int]) -> bool:

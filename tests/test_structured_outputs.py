@@ -16,7 +16,7 @@ import torch
 from engine import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.sequence import Sequence
-from engine.structured import GrammarState, StructuredOutputs, StructuredOutputsParams
+from engine.structured import GrammarState, StructuredOutputs, StructuredOutputsParams, apply_bitmask
 from server_fixtures import build_engine, tiny_server_model_dir  # noqa: F401
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is in the dev extra")
@@ -105,6 +105,28 @@ def test_batched_mask_equals_the_librarys_matcher_and_leaves_other_rows_alone(en
     assert set(torch.isfinite(logits[4]).nonzero().flatten().tolist()) == core.eos_token_ids & set(range(vocab))
 
 
+@pytest.mark.parametrize("vocab", [49152, 1000])
+def test_apply_bitmask_equals_the_library_kernel_on_sparse_dense_and_mixed_rows(vocab):
+    gen = torch.Generator().manual_seed(0)
+    width = -(-vocab // 32)
+    masks = [torch.randint(-2**31, 2**31 - 1, (width,), generator=gen, dtype=torch.int32),  # mixed words
+             torch.zeros(width, dtype=torch.int32), torch.full((width,), -1, dtype=torch.int32)]
+    few = torch.zeros(width, dtype=torch.int32)
+    few[[0, 3, width - 1]] = torch.tensor([1, -1, 5], dtype=torch.int32)  # a few allowed, the padding bits too
+    most = torch.full((width,), -1, dtype=torch.int32)
+    most[[1, 7]] = torch.tensor([0, 12345], dtype=torch.int32)  # a few banned
+    bitmask = torch.stack(masks + [few, most, masks[0]])
+    logits = torch.randn(8, vocab, generator=gen)
+    rows = [0, 1, 2, 3, 4, 6]  # row 5: unconstrained, its bitmask row ignored
+    ours, ref = logits.clone(), logits.clone()
+    apply_bitmask(ours, torch.cat([bitmask[:5], torch.zeros(1, width, dtype=torch.int32), bitmask[5:]]), rows,
+                  vocab)
+    xgr.apply_token_bitmask_inplace(ref, torch.cat([bitmask[:5], torch.zeros(1, width, dtype=torch.int32),
+                                                    bitmask[5:]]), vocab_size=vocab, indices=rows)
+    assert torch.equal(ours, ref)
+    assert torch.equal(ours[5], logits[5]) and torch.isfinite(ours[3]).sum() == 1 + 32 + 2
+
+
 def test_a_complete_grammar_overrides_min_tokens_banning_eos(engine):
     """min_tokens bans EOS before the mask; where the grammar allows nothing else, the grammar wins (EOS comes
     back), so a row is never left without a token."""
@@ -174,7 +196,7 @@ def test_regex_choice_and_grammar_hold(engine):
 def test_json_object_outputs_that_finish_parse_as_objects(engine):
     """Free-form JSON: random logits rarely close a string, so only some seeds finish inside max_tokens; those
     must parse as objects (the schema tests above cover validity on every sample)."""
-    outs = run(engine, {"json_object": True, "disable_any_whitespace": True}, range(16), max_tokens=100)
+    outs = run(engine, {"json_object": True, "disable_any_whitespace": True}, range(16), max_tokens=96)
     finished = [o.text for (o,) in outs if o.finish_reason == "stop"]
     assert finished
     for text in finished:
