@@ -96,7 +96,7 @@ def structured_outputs_params(req: StructuredFields):
     constraints are given or a field is unusable."""
     from api.protocol import RequestError
     from engine.errors import InvalidRequestError
-    from engine.structured import StructuredOutputsParams
+    from engine.structured_params import StructuredOutputsParams
 
     if req.guided_decoding_backend is not None:
         logger.info("guided_decoding_backend=%r ignored: kvllm's structured outputs use xgrammar",

@@ -63,7 +63,7 @@ class SamplingParams:
             bad("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
         self.kv_compression = _check_compression(self.kv_compression)
-        from engine.structured import StructuredOutputsParams
+        from engine.structured_params import StructuredOutputsParams
 
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
 

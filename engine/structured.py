@@ -2,12 +2,12 @@
 grammar, with xgrammar (the grammar library vLLM and SGLang use; bench/structured_outputs.py compares it with
 llguidance on this CPU).
 
-* `StructuredOutputsParams` (vLLM's fields) is checked when built; its `param` names the request field the
-  constraint came from (``response_format.json_schema``, ``guided_regex``...), so a 400 names what the user sent.
+* `StructuredOutputsParams` (engine/structured_params.py, vLLM's fields) is checked when built; its `param` names
+  the request field the constraint came from (``response_format.json_schema``, ``guided_regex``...).
 * `StructuredOutputs` (one per engine) compiles a constraint once per request (the library caches compiled
   grammars by spec) and gives each sequence its own `GrammarState` (an xgrammar matcher).
 * Each step, `mask` fills the bitmasks of the batch's constrained rows in one library call and applies them to the
-  logits in place (the library's kernel: no Python loop over the vocabulary); `accept` advances a sequence's
+  logits in place (`apply_bitmask`: no Python loop over the vocabulary); `accept` advances a sequence's
   matcher with its committed token. EOS is allowed only where the grammar is complete, and a matcher that
   accepted its stop token (or reached the grammar's end) finishes the sequence with "stop".
 
@@ -17,99 +17,21 @@ everything, so neither touches it; `sync` rolls it back or forward if the output
 from __future__ import annotations
 
 import json
-import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.structured_params import StructuredOutputsParams, choice_grammar
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
 
-logger = logging.getLogger("kvllm")
-
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
-
-
-@dataclass
-class StructuredOutputsParams:
-    """Exactly one constraint: `json` (a JSON schema, dict or string), `regex`, `choice` (a list of strings),
-    `grammar` (EBNF / GBNF, as xgrammar and llama.cpp take it) or `json_object` (any JSON object)."""
-    json: dict | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False  # JSON: no whitespace outside strings (compact separators)
-    whitespace_pattern: str | None = None  # not supported by xgrammar: rejected
-    param: str | None = None  # the request field this came from; errors name it
-
-    def __post_init__(self) -> None:
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
-        if len(given) != 1:
-            what = f"got {', '.join(given)}" if given else "got none"
-            raise InvalidRequestError(f"structured_outputs needs exactly one of {', '.join(KINDS)} ({what})",
-                                      self.param or "structured_outputs")
-        where = self.field
-        if self.whitespace_pattern is not None:
-            raise InvalidRequestError("whitespace_pattern is not supported (xgrammar has no whitespace regex); use "
-                                      "disable_any_whitespace", "structured_outputs.whitespace_pattern")
-        if self.json_object is not None and self.json_object is not True:
-            raise InvalidRequestError(f"json_object must be true, got {self.json_object!r}", where)
-        if self.json is not None:
-            if isinstance(self.json, str):
-                try:
-                    parsed = json.loads(self.json)
-                except ValueError as err:
-                    raise InvalidRequestError(f"{where}: not valid JSON ({err})", where) from None
-            else:
-                parsed = self.json
-            if not isinstance(parsed, (dict, bool)):
-                raise InvalidRequestError(f"{where}: a JSON schema must be an object, got {type(parsed).__name__}",
-                                          where)
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise InvalidRequestError(f"{where} must be a non-empty string", where)
-        if self.choice is not None:
-            if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or not all(isinstance(c, str) and c for c in self.choice)):
-                raise InvalidRequestError(f"{where} must be a non-empty list of non-empty strings", where)
-            self.choice = list(self.choice)
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
-
-    @property
-    def field(self) -> str:
-        """The request field errors name: the given `param`, else ``structured_outputs.<kind>``."""
-        return self.param or f"structured_outputs.{self.kind}"
-
-    @classmethod
-    def coerce(cls, value: Any) -> "StructuredOutputsParams | None":
-        """None, a StructuredOutputsParams, or a dict of its fields (unknown keys rejected)."""
-        if value is None or isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise InvalidRequestError(f"structured_outputs must be an object, got {type(value).__name__}",
-                                      "structured_outputs")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidRequestError(f"structured_outputs: unknown field(s) {unknown}; known: {sorted(known)}",
-                                      f"structured_outputs.{unknown[0]}")
-        return cls(**value)
-
-
-def choice_grammar(choices: list[str]) -> str:
-    """EBNF accepting exactly one of `choices` (JSON string escapes are valid EBNF literals for xgrammar)."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+__all__ = ["StructuredOutputs", "StructuredOutputsParams", "GrammarState", "apply_bitmask", "choice_grammar"]
 
 
 @dataclass(eq=False)

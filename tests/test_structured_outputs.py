@@ -166,6 +166,17 @@ def test_the_matcher_follows_outputs_that_shrink_or_grow(engine):
         assert seq.structured.num_accepted == len(outputs)
 
 
+def test_choice_literals_are_escaped(engine):
+    core = engine.core
+    so = StructuredOutputs(core.tokenizer, core.model_config.vocab_size, core.eos_token_ids)
+    choices = ['say "hi"', "back\\slash", "é ü", "tab\tx"]
+    compiled = so.compile(StructuredOutputsParams(choice=choices))
+    wrong = ['say \\"hi\\"', "\\u00e9 ü", "say"]  # escapes taken literally, a prefix
+    for text, ok in [(c, True) for c in choices] + [(w, False) for w in wrong]:
+        m = xgr.GrammarMatcher(compiled)
+        assert (m.accept_string(text) and m.is_completed()) == ok, text
+
+
 # ------------------------------------------------------------------------------------------- outputs
 def test_json_schema_every_seeded_sample_at_temperature_1_validates(engine):
     outs = run(engine, COMPACT, range(24))
