@@ -299,7 +299,7 @@ def throughput_table(engine: Engine, args) -> tuple[str, float]:
         f"running and no prompt token, in wall time and in this process's CPU time (on a shared machine the wall time "
         f"also counts waiting for a core; the CPU time does not); fill / apply / accept: the structured-output work "
         f"inside those steps (xgrammar's batched bitmask fill, `apply_bitmask` over the constrained rows, matcher "
-        f"accept). Decode throughput of json_schema relative to unconstrained: {ratio:.3f}x by wall time, "
+        f"accept; 'of the step': their sum, in wall time, over the CPU step, an upper bound). Decode throughput of json_schema relative to unconstrained: {ratio:.3f}x by wall time, "
         f"{cpu_ratio:.3f}x by CPU time (target >= 0.85x). A constrained sample: `{sample}`")
     return body, min(ratio, cpu_ratio)
 

@@ -8,8 +8,8 @@ llguidance on this CPU).
   grammars by spec) and gives each sequence its own `GrammarState` (an xgrammar matcher).
 * Each step, `mask` fills the bitmasks of the batch's constrained rows in one library call and applies them to the
   logits in place (`apply_bitmask`: no Python loop over the vocabulary); `accept` advances a sequence's
-  matcher with its committed token. EOS is allowed only where the grammar is complete, and a matcher that
-  accepted its stop token (or reached the grammar's end) finishes the sequence with "stop".
+  matcher with its committed token. EOS is allowed only where the grammar is complete (and is the only token
+  allowed where nothing can follow); a matcher that took it finishes the sequence with "stop", ignore_eos or not.
 
 The matcher follows a sequence's committed output tokens: preemption by recompute keeps the outputs and swap keeps
 everything, so neither touches it; `sync` rolls it back or forward if the outputs ever change under it.
@@ -42,7 +42,7 @@ class GrammarState:
 
     @property
     def done(self) -> bool:
-        """Terminated: the stop token was accepted, or the grammar can take nothing more."""
+        """The matcher took a stop token (EOS), which it allows only where the grammar is complete."""
         return self.matcher.is_terminated()
 
 
@@ -128,7 +128,7 @@ class StructuredOutputs:
 
     def mask(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Set the logits of tokens each constrained row's grammar forbids to -inf, in place: one batched fill
-        of the rows' bitmasks, one kernel call over those rows. A row the grammar forces to a token banned
+        of the rows' bitmasks, then `apply_bitmask` over those rows. A row the grammar forces to a token banned
         elsewhere (EOS before min_tokens) gets the grammar's tokens back: the grammar wins."""
         rows = [i for i, s in enumerate(seqs) if s.structured is not None]
         if not rows:
