@@ -24,8 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 logger = logging.getLogger("kvllm.server")
 
 
+# Unknown keys inside response_format are ignored, as vLLM's models do (some clients add their own).
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
     name: str = "response"
     description: Optional[str] = None
     # "schema" would shadow a BaseModel attribute: stored as json_schema, sent as "schema"
@@ -34,7 +35,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
 
