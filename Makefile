@@ -22,6 +22,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# kvpress, for the cross-check of the compression methods (tests/test_kvpress_crosscheck.py) only. It declares
 	# transformers<5.3 (this project resolves 5.x), so a normal install would downgrade transformers: --no-deps.
 	$(PIP) install -q --no-deps kvpress==0.5.5
+	# structured outputs: xgrammar at pyproject's `structured` pin, without triton (see the comment there)
+	$(PIP) install -q --no-deps "$$(grep -o 'xgrammar==[0-9][0-9a-z.]*' pyproject.toml)" apache-tvm-ffi==0.1.15.post2
 	touch $@
 
 # The CPU kernels (csrc/: paged attention, packed/int8 linear, the layers' norm/RoPE/activation/K-V-write ops) are

@@ -5,6 +5,7 @@ Follows vLLM's OpenAI-compatible server:
 * ``/v1/completions`` and ``/v1/chat/completions`` request bodies with the OpenAI fields and vLLM's sampling
   extras (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
   ``skip_special_tokens``), sent as top-level keys (the openai SDK's ``extra_body``).
+* Structured outputs (``response_format``, ``structured_outputs``, ``guided_*``): api/structured.py.
 * kvllm's per-request ``kv_compression``: ``"none"``, a method name, or an object with the common fields of
   ``compression.KVCompressionConfig`` and the method's own parameters (``{"method": "kara", "ratio": 0.3,
   "chunk_max": 8}``). The engine validates it against the method registry (compression/registry.py), so a new
@@ -30,6 +31,8 @@ from pydantic_core import PydanticCustomError
 
 from api.messages import ChatMessage, ChatResponseMessage, DeltaMessage, OmitNone, TextContentPart  # noqa: F401
 from api.tools import ChatCompletionTool, NamedToolChoice, ToolChoiceField, ToolError, resolve_tool_choice
+
+from api.structured import StructuredFields, structured_outputs_params
 
 # int64 range, like vLLM's seed bounds (torch generators take 64-bit seeds).
 _INT64_MIN = -(2**63)
@@ -130,8 +133,8 @@ class StreamOptions(_Strict):
     continuous_usage_stats: Optional[bool] = False
 
 
-class _SamplingFields(OpenAIBaseModel):
-    """Fields shared by completions and chat completions."""
+class _SamplingFields(OpenAIBaseModel, StructuredFields):
+    """Fields shared by completions and chat completions (structured outputs: api/structured.py)."""
 
     model: Optional[str] = Field(None, description="Served model name; defaults to the first one.")
     n: int = Field(1, ge=1, le=MAX_N)
@@ -208,7 +211,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    response_format: Optional[dict[str, Any]] = Field(None, description="Only {'type': 'text'} is supported.")
     tools: Optional[list[ChatCompletionTool]] = None
     tool_choice: ToolChoiceField = Field(None, description="none|auto|required|{type: function, function: {name}}; "
                                                            "default: auto with tools, else none.")
@@ -391,9 +393,6 @@ def _check_unsupported(req: _SamplingFields) -> None:
             raise RequestError("echo together with logprobs is not supported by kvllm (no prompt logprobs)",
                                "echo")
     if isinstance(req, ChatCompletionRequest):
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise RequestError("response_format other than {'type': 'text'} is not supported by kvllm",
-                               "response_format")
         req.effective_tool_choice()
         if req.top_logprobs is not None and not req.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -475,6 +474,7 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], *, 
             skip_special_tokens=req.skip_special_tokens,
             kv_compression=req.kv_compression,
             **{k: v for k, v in optional.items() if v is not None},
+            structured_outputs=structured_outputs_params(req),
         )
     except ValueError as err:  # engine.errors.InvalidRequestError names the parameter
         raise RequestError(str(err), getattr(err, "param", None)) from None

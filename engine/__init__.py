@@ -7,6 +7,7 @@
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_params import StructuredOutputsParams
 
 
 def __getattr__(name):  # Engine pulls in the model code; import it lazily
@@ -17,5 +18,5 @@ def __getattr__(name):  # Engine pulls in the model code; import it lazily
     raise AttributeError(name)
 
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineStats", "InvalidRequestError",
+__all__ = ["Engine", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineStats", "InvalidRequestError",
            "EngineDeadError"]

@@ -29,6 +29,7 @@ from engine.sampler import apply_min_tokens, draw, sample, sampling_probs, token
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import ScoringState, Sequence
+from engine.structured import StructuredOutputs
 from paging.kv_cache import KVCache
 from paging.kv_cache_manager import KVCacheManager
 
@@ -102,6 +103,9 @@ class EngineCore:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        # [structured outputs] grammar compiler (built on the first constrained request), masks, matchers
+        self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, self.eos_token_ids,
+                                            torch.get_num_threads())
         self.requests: dict[str, Request] = {}
         self.counters = EngineStats(num_blocks=num_blocks)
 
@@ -181,6 +185,8 @@ class EngineCore:
                     f"kv_compression.lossless keeps the full KV in host memory: {params.n} x {final} tokens do not fit "
                     f"the host store ({host} blocks); raise lossless_host_memory or lower max_tokens",
                     "kv_compression.lossless")
+        if params.structured_outputs is not None:  # [structured outputs] compile once, a matcher per sequence
+            self.structured.attach(seqs, params.structured_outputs)
         return Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, seqs,
                        time.monotonic())
 
@@ -315,6 +321,7 @@ class EngineCore:
                 return
             seqs, logits = [seqs[i] for i in keep], logits[keep]
         apply_min_tokens(logits, [self._banned(seq, seq.num_outputs) for seq in seqs])
+        self.structured.mask(seqs, logits)  # [structured outputs] grammar bitmasks of the constrained rows
         # InfoKV's side signal: the entropy of the distribution each token is drawn from (only for sequences whose
         # compression method asks for it), stored at the token's logical position before it is appended
         self.compression.record_entropy(seqs, logits)
@@ -359,6 +366,7 @@ class EngineCore:
             return True
         try:
             seq.output_token_ids.append(token)
+            self.structured.accept(seq, token)  # [structured outputs] advance the matcher (raises if rejected)
             self.counters.generation_tokens_total += 1
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
@@ -514,6 +522,8 @@ class EngineCore:
         s.recomputed_tokens = self.scheduler.recomputed_tokens
         s.full_tier_bytes = self.kv.full_tier_bytes
         s.prefix_cache_queries, s.prefix_cache_hits = self.kv.prefix_queries, self.kv.prefix_hits
+        st = self.structured  # [structured outputs]
+        s.structured_fill_seconds, s.structured_apply_seconds, s.structured_accept_seconds = st.seconds
         return s
 
     def reset_stats(self) -> None:
@@ -523,6 +533,7 @@ class EngineCore:
         self.compression.stats = RoundStats()
         self.kv.prefix_queries = self.kv.prefix_hits = 0
         self.scheduler.recomputed_tokens = 0
+        self.structured.seconds = (0.0, 0.0, 0.0)  # [structured outputs]
 
     def check_invariants(self) -> None:
         """KV-manager invariants (exact block counts, ref counts = table references), and no block in use once

@@ -69,6 +69,8 @@ class OutputProcessor:
         p = seq.params
         if seq.finish_reason == "stop":  # a stop string matched during detokenization
             return "stop", seq.stop_reason
+        if seq.structured is not None and seq.structured.done:  # the grammar took its stop token: nothing can follow
+            return "stop", None
         if seq.num_outputs >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return "stop", None

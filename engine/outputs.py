@@ -74,6 +74,9 @@ class EngineStats:
     lossless_verifications: int = 0
     lossless_verify_seconds: float = 0.0
     full_tier_bytes: int = 0  # host memory holding lossless sequences' full KV (and swapped blocks) now
+    structured_fill_seconds: float = 0.0  # structured outputs: filling the grammar bitmasks
+    structured_apply_seconds: float = 0.0  # applying them to the logits
+    structured_accept_seconds: float = 0.0  # advancing the grammar matchers with the sampled tokens
 
     @property
     def lossless_mean_accepted(self) -> float | None:

@@ -25,6 +25,9 @@ class SamplingParams:
     # KV compression for this request: None uses the engine's setting; "none" disables; a method name, a dict of
     # fields or a compression.KVCompressionConfig overrides it (omitted fields keep the engine's values).
     kv_compression: Any = None
+    # Structured outputs (vLLM's name): an engine.structured.StructuredOutputsParams or a dict of its fields
+    # (json, regex, choice, grammar, json_object); the engine compiles it when the request is made.
+    structured_outputs: Any = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +64,9 @@ class SamplingParams:
             bad("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
         self.kv_compression = _check_compression(self.kv_compression)
+        from engine.structured_params import StructuredOutputsParams
+
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

@@ -2,7 +2,8 @@
 
 `block_table` and `kv_len` are owned by `paging.kv_cache_manager.KVCacheManager`: nothing else changes them.
 State that only one stage needs lives in its own small record: `compression` (the compression stage's frontier,
-see compression/state.py), `scoring` (teacher-forced scoring) and `detok` (the output processor's text state).
+see compression/state.py), `scoring` (teacher-forced scoring), `structured` (the grammar matcher of structured
+outputs, engine/structured.py) and `detok` (the output processor's text state).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from compression.state import CompressionState
     from engine.lossless import LosslessState
+    from engine.structured import GrammarState
 
 _seq_ids = itertools.count()
 
@@ -81,6 +83,7 @@ class Sequence:
     scoring: ScoringState | None = None
     compression: CompressionState | None = None
     lossless: LosslessState | None = None
+    structured: GrammarState | None = None  # structured outputs: the grammar matcher (engine/structured.py)
     detok: DetokState = field(default_factory=DetokState)
 
     @property

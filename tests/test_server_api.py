@@ -307,10 +307,15 @@ def test_cli_parsing():
                                     "compression_period": 256}
     assert "dtype" not in kw  # engine defaults are kept
     assert "kv_compression" not in engine_kwargs_from_args(parser.parse_args(["serve"]))
-    with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "--num-kv-blocks", "4", "--kv-cache-memory", "1GiB"])
+    from engine.config import EngineConfig
+
+    def config(*argv):  # what `kvllm serve` checks before loading anything (a usage error on failure)
+        return EngineConfig(**engine_kwargs_from_args(parser.parse_args(["serve", *argv])))
+
+    with pytest.raises(ValueError, match="not both"):
+        config("--num-kv-blocks", "4", "--kv-cache-memory", "1GiB")
     with pytest.raises(ValueError, match="kv_compression.buffer"):
-        engine_kwargs_from_args(parser.parse_args(["serve", "--kara-window", "16", "--kara-buffer", "32"]))
+        config("--kara-window", "16", "--kara-buffer", "32")
     # the engine-wide default as one JSON value (like vLLM's --speculative-config), flags merged over it
     js = parser.parse_args(["serve", "--kv-compression", '{"method": "streaming", "ratio": 0.5}', "--kara-window",
                             "128", "--no-enable-prefix-caching"])
@@ -318,9 +323,9 @@ def test_cli_parsing():
     assert kw["kv_compression"] == {"method": "streaming", "ratio": 0.5, "window": 128}
     assert kw["enable_prefix_caching"] is False
     with pytest.raises(ValueError, match="kv_compression.chunk_max"):
-        engine_kwargs_from_args(parser.parse_args(["serve", "--kv-compression", '{"method": "random", "chunk_max": 2}']))
-    with pytest.raises(ValueError, match="invalid JSON"):
-        engine_kwargs_from_args(parser.parse_args(["serve", "--kv-compression", "{oops"]))
+        config("--kv-compression", '{"method": "random", "chunk_max": 2}')
+    with pytest.raises(SystemExit):  # invalid JSON: an argparse error
+        parser.parse_args(["serve", "--kv-compression", "{oops"])
     b = parser.parse_args(["bench", "serve", "--num-prompts", "5", "--request-rate", "2.5", "--extra-body",
                            '{"kv_compression": "none"}', "--save-result", "--plot", "x.png"])
     assert b.num_prompts == 5 and b.request_rate == 2.5 and b.extra_body == {"kv_compression": "none"}

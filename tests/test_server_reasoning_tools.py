@@ -3,7 +3,6 @@ checked against HF transformers' greedy generate) whose output contains think ma
 served by uvicorn on loopback and driven with the official openai SDK, streamed and not."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import socket
@@ -260,9 +259,6 @@ def test_tool_choice_errors(engines):
             assert status == 400 and body["code"] == 400 and body["param"] == "tool_choice"
             assert body["message"] == '"auto" tool choice requires --enable-auto-tool-choice and ' \
                                       '--tool-call-parser to be set'
-        for choice in ("required", named):
-            body, _ = _error(lambda: _chat(client, eng, tools=TOOLS, tool_choice=choice))
-            assert "needs structured outputs" in body["message"] and body["param"] == "tool_choice"
         body, _ = _error(lambda: _chat(client, eng, tool_choice="required"))
         assert body["message"] == "When using `tool_choice`, `tools` must be set."
         body, _ = _error(lambda: _chat(client, eng, tools=TOOLS,
@@ -274,27 +270,22 @@ def test_tool_choice_errors(engines):
 
 
 @pytest.fixture
-def structured_outputs_field(monkeypatch):
-    """A SamplingParams with a `structured_outputs` field (the engine ignores it; the scripted model's output is
-    what the schema allows anyway), recording what the server puts there."""
-    import engine.sampling_params as sp
+def structured_outputs_seen(monkeypatch):
+    """Records the structured-outputs constraint of every request the server makes (the sampler applies it)."""
+    from engine.engine import Engine
 
     seen = []
+    real = Engine.new_request
 
-    @dataclasses.dataclass
-    class WithStructuredOutputs(sp.SamplingParams):
-        structured_outputs: dict | None = None
+    def new_request(self, prompt, params=None, request_id=None):
+        seen.append(params.structured_outputs)
+        return real(self, prompt, params, request_id)
 
-        def __post_init__(self):
-            super().__post_init__()
-            if self.structured_outputs is not None:
-                seen.append(self.structured_outputs)
-
-    monkeypatch.setattr(sp, "SamplingParams", WithStructuredOutputs)
+    monkeypatch.setattr(Engine, "new_request", new_request)
     return seen
 
 
-def test_forced_tool_calls_through_structured_outputs(engines, structured_outputs_field):
+def test_forced_tool_calls_through_structured_outputs(engines, structured_outputs_seen):
     from server.tools.schema import tool_choice_schema
 
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -305,9 +296,9 @@ def test_forced_tool_calls_through_structured_outputs(engines, structured_output
         eng = engines[key]
         with serve(eng) as srv:  # forced calls need no --enable-auto-tool-choice
             client = openai_client(srv.base_url)
-            structured_outputs_field.clear()
+            structured_outputs_seen.clear()
             r = _chat(client, eng, tools=TOOLS, tool_choice=choice)
-            assert structured_outputs_field == [{"json": tool_choice_schema(TOOLS, choice)}]
+            assert [c.json for c in structured_outputs_seen] == [tool_choice_schema(TOOLS, choice)]
             msg = r.choices[0].message
             assert [(t.function.name, t.function.arguments) for t in msg.tool_calls] == want
             assert msg.content == "" and r.choices[0].finish_reason == finish
