@@ -13,8 +13,8 @@ from api.protocol import (
     RequestError,
     StreamOptions,
     UsageInfo,
-    to_sampling_params,
 )
+from api.sampling import to_sampling_params
 
 __all__ = [
     "ChatCompletionRequest",

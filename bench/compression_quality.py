@@ -358,10 +358,10 @@ def evaluate(engine, trials: list[Trial], methods: Sequence[str] = METHODS, rati
         if not b:
             continue
         t0 = time.perf_counter()
-        before = engine.stats().compression_by_method
+        before = {name: r.as_dict() for name, r in engine.stats().compression.by_method.items()}
         items = [(t.context, t.continuation, runs[i][2]) for i in b for t in trials]
         lps = score_many(engine, items, chunk_size, [e for _ in b for e in ents])
-        after = engine.stats().compression_by_method
+        after = {name: r.as_dict() for name, r in engine.stats().compression.by_method.items()}
         engine.check_invariants()
         for j, i in enumerate(b):
             logprobs[i] = lps[j * len(trials):(j + 1) * len(trials)]
@@ -724,8 +724,8 @@ def main() -> None:
         "",
         *[f"- {v}" for v in reading(results)],
         "",
-        f"Runtime {elapsed:.0f} s for the scoring ({st.num_steps} engine steps, {st.compression_rounds} compression "
-        f"rounds taking {st.compression_seconds:.0f} s), {total:.0f} s in all; sized to finish in about an hour on "
+        f"Runtime {elapsed:.0f} s for the scoring ({st.num_steps} engine steps, {st.compression.rounds} compression "
+        f"rounds taking {st.compression.seconds:.0f} s), {total:.0f} s in all; sized to finish in about an hour on "
         f"one thread of this shared 2-core CPU (the previous 6-method, one-ratio, 8-trial, 3136-token run took 34 "
         f"min).",
     ]

@@ -56,9 +56,9 @@ def run(args, pool_seqs: int | None, setting: str, compression: dict, concurrenc
     result = {
         "pool": pool_seqs, "setting": setting, "blocks": num_blocks, "tok_s": tokens / wall, "wall": wall,
         "mean_batch": sum(running) / max(1, len(running)), "preemptions": st.num_preemptions,
-        "recomputed": st.recomputed_tokens, "swapped": st.swapped_out_blocks, "rounds": st.compression_rounds,
-        "on_demand": st.compression_on_demand_rounds,
-        "share": st.compression_seconds / max(st.engine_seconds, 1e-9),
+        "recomputed": st.recomputed_tokens, "swapped": st.swapped_out_blocks, "rounds": st.compression.rounds,
+        "on_demand": st.compression.on_demand_rounds,
+        "share": st.compression.seconds / max(st.engine_seconds, 1e-9),
     }
     del engine
     gc.collect()

@@ -130,6 +130,9 @@ class KVCompressionConfig:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KVCompressionConfig) and self._key == other._key
 
+    def __reduce__(self):  # immutable slots: pickled (to tensor-parallel workers) as its settings
+        return _from_dict, (self.to_dict(),)
+
     def __hash__(self) -> int:
         return hash(self._key)
 
@@ -183,6 +186,11 @@ class KVCompressionConfig:
     def make_compressor(self):
         spec = self.spec
         return spec.factory(self) if spec.factory is not None else None
+
+
+def _from_dict(d: dict) -> "KVCompressionConfig":
+    d = dict(d)
+    return KVCompressionConfig(d.pop("method"), **d)
 
 
 def _validate_common(c: _Common, spec: registry.MethodSpec, relations: bool = True) -> _Common:

@@ -4,6 +4,7 @@ request's settings), so a greedy or seeded request compresses the same windows a
 runs beside it."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -89,8 +90,6 @@ class CompressionState:
     query_source: str = "recompute"  # resolved ("recompute" or "cache")
     kept_per_window: int = 0  # region slots the method keeps of a full window (for footprint projections)
     queries: QueryCache | None = None
-    exact: bool = True  # the device cache still equals the full cache (nothing compressed since the last prefill)
-    hold: bool = False  # set by the engine while unverified drafts sit in the cache (lossless): no round may run
     # InfoKV's side signal (None unless the method `needs_entropy`): sampling entropy by logical position,
     # recorded by the engine with top-k = entropy_top_k.
     entropy: EntropyStore | None = None
@@ -103,6 +102,10 @@ class CompressionState:
     slot_entropy_pos: int = 0
     max_tail: int | None = None  # the engine's max_model_len: no tail is longer (bounds what is sized from config)
 
+    #: the frontier: what a tensor-parallel worker needs of rank 0's state to run the same round
+    FRONTIER = ("start", "compressed_tokens", "compressed_kv_len", "last_round_at", "pending", "ever_compressed",
+                "rounds")
+
     def __post_init__(self) -> None:
         self.reset()
         self.pending = self.config.compress_prompt
@@ -112,18 +115,70 @@ class CompressionState:
             tail = self.config.window + self.config.compression_period
             self.queries = QueryCache(min(tail, self.max_tail or tail) + 64)
 
-    @property
+    # -- what the rest of the engine may ask ---------------------------------------------------------------
     def caches_queries(self) -> bool:
         return self.queries is not None
 
-    @property
+    def store_queries(self, first: int, q: torch.Tensor) -> None:
+        """Keep the post-RoPE queries [L, n, Hq, D] of positions [first, first + n) computed by a step."""
+        self.queries.store(first, q)
+
+    def capture_from(self, start: int) -> int | None:
+        """The first position of a step's tokens (starting at `start`) whose queries to keep, or None."""
+        return max(start, self.start) if self.queries is not None else None
+
     def protected_tokens(self) -> int:
         """Leading tokens compaction never rewrites (the prefix cache may share their blocks)."""
         return 0 if self.config.policy == "threshold" else self.start
 
+    def query_cache_bytes(self) -> int:
+        return self.queries.nbytes if self.queries is not None else 0
+
+    def lossless(self) -> bool:
+        return self.config.lossless
+
     def tail(self, num_computed_tokens: int) -> int:
         return num_computed_tokens - self.compressed_tokens
 
+    def windows(self, tail: int) -> int:
+        """Complete windows a periodic round compresses in an uncompressed tail of this length."""
+        c = self.config
+        return (tail - c.buffer) // c.region_len if tail >= c.window else 0
+
+    def savings(self, num_computed_tokens: int) -> int:
+        """KV slots a periodic round run now would free."""
+        return self.windows(self.tail(num_computed_tokens)) * (self.config.region_len - self.kept_per_window)
+
+    def peak_kv_len(self, final_tokens: int) -> int:
+        """The most KV slots the sequence holds on its way to `final_tokens` logical tokens under this setting."""
+        c = self.config
+        if c.policy == "threshold":
+            return min(final_tokens, c.threshold_max)
+        # a compressed region of n tokens keeps `kept`; the tail before a round is at most |W| + period
+        grown = max(0, final_tokens - self.start)
+        tail = min(grown, c.window + c.compression_period)
+        return self.start + math.ceil((grown - tail) * self.kept_per_window / c.region_len) + tail
+
+    def frontier(self) -> dict:
+        return {name: getattr(self, name) for name in self.FRONTIER}
+
+    def spec(self) -> dict:
+        """What rebuilds this state elsewhere (a tensor-parallel worker): `CompressionState.from_spec`."""
+        return {"config": self.config.to_dict(), "start": self.start, "query_source": self.query_source,
+                "kept_per_window": self.kept_per_window}
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> "CompressionState":
+        from compression.config import coerce
+
+        return cls(coerce(spec["config"]), spec["start"], query_source=spec["query_source"],
+                   kept_per_window=spec["kept_per_window"])
+
+    def set_frontier(self, values: dict) -> None:
+        for name in self.FRONTIER:
+            setattr(self, name, values[name])
+
+    # -- the stage's own bookkeeping -----------------------------------------------------------------------
     def rng(self) -> torch.Generator:
         if self.generator is None:
             self.generator = torch.Generator().manual_seed(self.config.seed)
@@ -131,8 +186,6 @@ class CompressionState:
 
     def reset(self) -> None:
         self.compressed_tokens = self.compressed_kv_len = self.last_round_at = self.start
-        self.exact = True
-        self.hold = False
 
     def on_preempt(self) -> None:
         """The KV cache is gone (recompute preemption). A sequence that was ever compressed is compressed again right
@@ -156,4 +209,3 @@ class CompressionState:
         self.compressed_tokens += region
         self.compressed_kv_len += kept
         self.ever_compressed = True
-        self.exact = False

@@ -88,6 +88,19 @@ def parse_length(text: str) -> int:
     return int(t)
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (the flag's own usage error, before anything loads)."""
+    import argparse
+
+    try:
+        value = parse_length(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -147,13 +160,13 @@ class EngineConfig:
     layer_ops: str = setting("auto", choices=_choices(LAYER_OPS),
                              help="RMSNorm (+ residual), RoPE, SiLU-multiply: cpu = C++ ops, torch = torch ops; "
                                   "auto: cpu for a float32 model on the CPU")
-    tensor_parallel_size: int = setting(1, aliases=("-tp",), help="ranks the model is split over (Megatron-style); "
+    tensor_parallel_size: int = setting(1, parse=positive, aliases=("-tp",), help="ranks the model is split over (Megatron-style); "
                                         "ranks 1..N-1 run in spawned worker processes")
     enforce_eager: bool = setting(False, help="vLLM's flag; kvllm always runs eagerly (CUDA graphs are not wired), "
                                               "so it changes nothing")
     # -- the KV cache -------------------------------------------------------------------------------------------
-    block_size: int = setting(16, help="tokens per KV block")
-    num_kv_blocks: int | None = setting(None, aliases=("--num-gpu-blocks-override",),
+    block_size: int = setting(16, parse=positive, help="tokens per KV block")
+    num_kv_blocks: int | None = setting(None, parse=positive, aliases=("--num-gpu-blocks-override",),
                                         help="size of the KV pool in blocks (overrides every memory setting)")
     kv_cache_memory: int | str | None = setting(
         None, parse=str, aliases=("--kv-cache-memory-bytes",),
@@ -165,17 +178,17 @@ class EngineConfig:
                                                 help="dtype of the KV pages (auto: the model's); half pages on CPU "
                                                      "keep float32 compute")
     enable_prefix_caching: bool = setting(True, help="reuse the KV blocks of cached prompt prefixes")
-    max_model_len: int | None = setting(None, parse=parse_length, help="longest prompt + output, e.g. 4096 or 32k "
+    max_model_len: int | None = setting(None, parse=positive, help="longest prompt + output, e.g. 4096 or 32k "
                                                                        "(default: the model's, fitted to the pool)")
     # -- batching and memory pressure (engine/scheduler.py) -------------------------------------------------------
-    max_num_seqs: int = setting(64, help="sequences running at once")
-    max_num_batched_tokens: int = setting(2048, help="tokens per step (decodes and prefill chunks together)")
+    max_num_seqs: int = setting(64, parse=positive, help="sequences running at once")
+    max_num_batched_tokens: int = setting(2048, parse=positive, help="tokens per step (decodes and prefill chunks together)")
     watermark: float = setting(0.01, help="share of the pool kept free when admitting while others run")
     scheduling_policy: str = setting("fcfs", choices=SCHEDULING_POLICIES,
                                      help="fcfs: admit when the first chunk fits; compression-aware: also when the "
                                           "projected peak footprint of all running sequences fits")
     admission_optimism: float = setting(1.0, help="compression-aware: admit while projected blocks <= pool x this")
-    projected_output_len: int | None = setting(None, help="compression-aware: project at most this many outputs")
+    projected_output_len: int | None = setting(None, parse=positive, help="compression-aware: project at most this many outputs")
     preemption_mode: str = setting("auto", choices=PREEMPTION_MODES,
                                    help="auto: swap to host memory when copying is cheaper than recomputing")
     compress_before_preempt: bool = setting(True, help="run a compression round on demand before preempting")

@@ -95,7 +95,7 @@ class Engine:
     @property
     def kv_compression_config(self):
         """The engine-wide `compression.KVCompressionConfig` (method "none" when off)."""
-        return self.core.compression.default
+        return self.core.stage.default
 
     def capacity_log_lines(self) -> list[str]:
         return self.core.capacity_log_lines()

@@ -12,11 +12,15 @@ device cache and the verified K/V of accepted tokens replace the drafted ones.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
-from engine.sampler import draw
+from engine.errors import InvalidRequestError
+from engine.sampler import draw, sampling_probs
+from util import cdiv
 
 
 @dataclass
@@ -70,3 +74,176 @@ def accept(drafts: list[int], target: torch.Tensor, draft_probs: list[torch.Tens
         return out
     out.append(int(target[len(drafts)].argmax()) if draft_probs is None else draw(target[len(drafts)], generator))
     return out
+
+
+class LosslessController:
+    """Owns lossless mode in the engine: each lossless sequence's `LosslessState`, its full tier in the host store,
+    when it drafts and when its drafts are verified. The scheduler sees it as a `Verifier` (engine/scheduler.py);
+    the compression stage sees only `Sequence.kv_frozen` (unverified slots in the cache) and the KV length (a
+    device cache that still holds every slot, `kv_len == num_computed_tokens`, is exact: nothing to verify)."""
+
+    def __init__(self, kv, runner, sampler, stats, max_model_len: int):
+        self.kv, self.runner, self.sampler, self.stats = kv, runner, sampler, stats
+        self.max_model_len = max_model_len
+        self.append: Callable[[Any, int, tuple | None], bool] | None = None  # the output processor's
+        self.preempt: Callable[[Any], None] | None = None  # the scheduler's restart of a sequence
+
+    # -- requests -----------------------------------------------------------------------------------------
+    def _final_blocks(self, seq) -> int:
+        """Full-tier blocks of the sequence at its longest (prompt + max_tokens, or up to max_model_len)."""
+        p = seq.params
+        final = seq.num_prompt_tokens + (p.max_tokens if p.max_tokens is not None
+                                         else self.max_model_len - seq.num_prompt_tokens)
+        return cdiv(final, self.kv.block_size)
+
+    def attach(self, seqs: list, cfg) -> None:
+        """Give a new request's sequences their lossless state (``cfg``: its KVCompressionConfig, draft horizons);
+        InvalidRequestError if their full tiers cannot fit the host store even alone."""
+        for seq in seqs:
+            seq.lossless = LosslessState(cfg.horizon_min, cfg.horizon_min, cfg.horizon_max)
+        host = self.kv.host_pool.num_blocks if self.kv.host_pool is not None else 0
+        need = self._final_blocks(seqs[0]) * len(seqs)
+        if need > host:
+            raise InvalidRequestError(
+                f"kv_compression.lossless keeps the full KV in host memory: {len(seqs)} x "
+                f"{self._final_blocks(seqs[0]) * self.kv.block_size} tokens do not fit the host store ({host} "
+                f"blocks); raise lossless_host_memory or lower max_tokens", "kv_compression.lossless")
+
+    # -- the scheduler's Verifier -------------------------------------------------------------------------
+    def due(self, seq) -> int:
+        ls = seq.lossless
+        if ls is None or ls.draft_kv_start < 0 or len(seq.draft_token_ids) < ls.target:
+            return 0
+        return len(seq.draft_token_ids) + 1  # [last committed token, drafts...]
+
+    def reserve(self, seq, num_tokens: int) -> bool:
+        return self.kv.full_reserve(seq, seq.full_len + num_tokens)
+
+    def admissible(self, seq, busy: bool) -> bool:
+        """Its whole full tier must fit the host store now (alone it always fits: `attach` checked)."""
+        if seq.lossless is None or self.kv.host_pool is None or not busy:
+            return True
+        return self._final_blocks(seq) <= self.kv.host_pool.num_free
+
+    def swappable(self, seq) -> bool:
+        return seq.lossless is None  # its host store is busy with the full tier
+
+    def on_preempt(self, seq) -> None:
+        if seq.lossless is not None:  # unverified drafts are dropped; the committed tokens stay
+            seq.draft_token_ids.clear()
+            seq.lossless.reset()
+            seq.kv_frozen = False
+
+    # -- the step -----------------------------------------------------------------------------------------
+    def before_schedule(self, running: list) -> None:
+        """A lossless sequence whose device cache was compressed drafts its next tokens from it."""
+        for seq in running:
+            ls = seq.lossless
+            if (ls is None or ls.draft_kv_start >= 0 or seq.kv_len == seq.num_computed_tokens
+                    or seq.num_pending_tokens != 1):
+                continue
+            p = seq.params
+            remaining = (p.max_tokens if p.max_tokens is not None else self.max_model_len) - seq.num_outputs
+            room = self.max_model_len - seq.num_tokens
+            ls.target = max(0, min(ls.horizon, remaining - 1, room - 1))
+            ls.draft_kv_start = seq.kv_len
+            seq.kv_frozen = True
+
+    def update_from_output(self, forward: list) -> list[tuple[Any, BaseException]]:
+        """While a device cache is exact, mirror the step's new slots into the sequence's full tier."""
+        failed = []
+        for item in forward:
+            seq = item.seq
+            if seq.lossless is None or seq.kv_len != seq.num_computed_tokens:
+                continue
+            try:
+                if not self.kv.full_append_from_device(seq, seq.full_len, seq.kv_len - seq.full_len):
+                    raise RuntimeError("the lossless full-KV host store is full; raise lossless_host_memory")
+            except Exception as err:
+                failed.append((seq, err))
+        return failed
+
+    def draft(self, seqs: list, logits: torch.Tensor | None) -> tuple[list, torch.Tensor | None]:
+        """Drafting sequences take their next token as a draft (fed to the model, never output until verified);
+        returns the other rows for normal sampling."""
+        rows = [i for i, s in enumerate(seqs) if s.lossless is not None and s.lossless.draft_kv_start >= 0]
+        if not rows:
+            return seqs, logits
+        for i in rows:
+            seq, p = seqs[i], seqs[i].params
+            row = logits[i:i + 1]
+            self.sampler.ban(row, [self.sampler.banned(seq, seq.num_outputs + len(seq.draft_token_ids))])
+            q = sampling_probs(row, [p])[0]
+            token = int(q.argmax()) if p.greedy else draw(q, seq.generator or self.sampler.default_generator)
+            seq.draft_token_ids.append(token)
+            if not p.greedy:
+                seq.lossless.draft_probs.append(q)
+            seq.lossless.drafted += 1
+            self.stats.lossless_drafted += 1
+        keep = [i for i in range(len(seqs)) if i not in set(rows)]
+        return [seqs[i] for i in keep], (logits[keep] if keep else None)
+
+    def verify(self, seqs: list) -> list[tuple[Any, BaseException]]:
+        """One forward of [last committed token, drafts...] of every due sequence over its full tier, then the
+        acceptance rule, the rollback of rejected drafts and the verified K/V into the device cache."""
+        if not seqs:
+            return []
+        t0 = time.perf_counter()
+        tables = [s.full_block_table for s in seqs]
+        write_back = None
+        if self.kv.kv_cache.data.device.type == "cpu":
+            layers = self.kv.full_tier_layers()
+        else:
+            layers, tables, write_back = self.kv.stage_full(tables)
+        batch = [(s, [s.output_token_ids[-1]] + list(s.draft_token_ids), s.full_len) for s in seqs]
+        capture = any(s.compression.caches_queries() for s in seqs)
+        logits, queries = self.runner.verify(batch, layers, tables, capture)
+        if write_back is not None:
+            write_back()
+        failed, k0 = [], 0
+        for seq, tokens, start in batch:
+            rows = logits[k0:k0 + len(tokens)]
+            q = queries[:, k0:k0 + len(tokens)] if queries is not None else None
+            k0 += len(tokens)
+            try:
+                self._accept(seq, tokens[1:], start, rows, q)
+            except Exception as err:  # this sequence's own part: only its request ends
+                failed.append((seq, err))
+        self.stats.lossless_verifications += len(seqs)
+        self.stats.lossless_verify_seconds += time.perf_counter() - t0
+        return failed
+
+    def _accept(self, seq, drafts: list[int], start: int, rows: torch.Tensor, queries: torch.Tensor | None) -> None:
+        p, ls = seq.params, seq.lossless
+        self.sampler.ban(rows, [self.sampler.banned(seq, seq.num_outputs + j) for j in range(rows.shape[0])])
+        target = sampling_probs(rows, [p] * rows.shape[0])
+        committed = accept(drafts, target, None if p.greedy else ls.draft_probs,
+                           seq.generator or self.sampler.default_generator)
+        k = len(committed) - 1  # accepted drafts
+        self.stats.lossless_accepted += k
+        ls.accepted += k
+        ls.verifications += 1
+        ls.adapt(len(drafts), k)
+        kv_start = ls.draft_kv_start
+        ls.reset()
+        seq.draft_token_ids.clear()
+        seq.kv_frozen = False
+        # the full tier keeps the last committed token and the accepted drafts, computed over the full cache
+        self.kv.full_truncate(seq, start + 1 + k)
+        if queries is not None and seq.compression.caches_queries():
+            seq.compression.store_queries(start, queries[:, :1 + k])
+        fits = self.kv.resize(seq, kv_start + 1 + k)
+        if fits:
+            self.kv.device_from_full(seq, start, kv_start, 1 + k)
+            seq.num_computed_tokens = start + 1 + k
+        logp = rows.log_softmax(-1) if p.logprobs is not None else None
+        for j, token in enumerate(committed):
+            entry = None
+            if logp is not None:
+                top = logp[j].topk(p.logprobs) if p.logprobs else None
+                entry = (float(logp[j, token]), top.indices.tolist() if top is not None else [],
+                         top.values.tolist() if top is not None else [])
+            if self.append(seq, token, entry):
+                return
+        if not fits:  # the pool has no room for the verified slots: rebuild this sequence from its tokens
+            self.preempt(seq)

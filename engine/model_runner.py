@@ -8,6 +8,7 @@ queries back to their sequences). With one process `execute` runs the three in a
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,6 +22,8 @@ from paging.kv_cache import KVCache
 
 @dataclass
 class StepResult:
+    num_tokens: int = 0  # tokens the forward ran
+    seconds: float = 0.0  # its wall time
     sample_seqs: list[Sequence] = field(default_factory=list)
     logits: torch.Tensor | None = None  # float32 [len(sample_seqs), V]: next-token logits
     # Teacher-forced scoring: per sequence, log p(token[t] | tokens[:t]) for the positions this step covered.
@@ -81,10 +84,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
+        """One forward of the scheduled items (an empty list: nothing runs, an empty result)."""
+        if not scheduled:
+            return StepResult()
+        t0 = time.perf_counter()
         plan, ctx = self.prepare(scheduled)
         if self.on_plan is not None:
             self.on_plan(plan, ctx.seqs)
-        return self.finish(ctx, self.forward(plan))
+        result = self.finish(ctx, self.forward(plan))
+        result.num_tokens, result.seconds = len(plan.input_ids), time.perf_counter() - t0
+        return result
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[ForwardPlan, _StepContext]:
         plan = ForwardPlan([], [], [], [], [], [])
@@ -112,9 +121,9 @@ class ModelRunner:
             if item.completes_prefill:
                 plan.sample_rows.append(len(plan.input_ids) - 1)
                 ctx.sample_seqs.append(seq)
-            st = seq.compression
-            if st is not None and st.caches_queries and not st.hold:  # (drafts' queries: from their verification)
-                first = max(start, st.start)
+            # (a lossless draft's queries come from its verification instead)
+            first = seq.compression.capture_from(start) if seq.compression is not None and not seq.kv_frozen else None
+            if first is not None:
                 if first < start + n:
                     plan.capture_rows.extend(range(row0 + first - start, row0 + n))
                     plan.capture_spans.append((i, first, start + n - first))

@@ -7,16 +7,59 @@ still turn into a stop string.
 from __future__ import annotations
 
 import time
+from typing import Any, Callable
 
+from engine.errors import RequestFailedError
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sequence import Sequence
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int, stats: Any = None,
+                 structured: Any = None, finish: Callable[[Sequence], None] | None = None):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.stats = stats  # the engine's counters (generation_tokens_total)
+        self.structured = structured  # engine/structured.py: a grammar matcher advances with each token
+        self.finish = finish  # the scheduler's: a finished sequence gives its blocks back
+
+    # -- the step's results -------------------------------------------------------------------------------
+    def update_from_output(self, scored: list[tuple[Sequence, list[float]]],
+                           tokens: list[tuple[Sequence, int, tuple | None]]) -> list[tuple[Sequence, BaseException]]:
+        """Teacher-forced scores and sampled tokens to their sequences; returns the sequences whose own output
+        processing failed (their requests end alone)."""
+        for seq, logps in scored:
+            seq.scoring.prompt_logprobs.extend(logps)
+        failed = []
+        for seq, token, logprob in tokens:
+            try:
+                self.append(seq, token, logprob)
+            except Exception as err:
+                failed.append((seq, RequestFailedError("processing its output", err)))
+        return failed
+
+    def append(self, seq: Sequence, token: int, logprob: tuple | None) -> bool:
+        """Commit one generated token: outputs, logprobs, detokenization, stop checks. Returns whether the sequence
+        is finished (a sequence already finished takes nothing)."""
+        if seq.is_finished:
+            return True
+        seq.output_token_ids.append(token)
+        self.structured.accept(seq, token)  # raises if the grammar rejects it
+        self.stats.generation_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        if logprob is not None:
+            chosen, ids, vals = logprob
+            entry = {token: chosen}
+            for tid, val in zip(ids, vals):
+                entry.setdefault(tid, val)
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += chosen
+        if self.append_token(seq, token):
+            self.finish(seq)
+            return True
+        return False
 
     def append_token(self, seq: Sequence, token: int) -> bool:
         """Detokenize the sequence's newest token (already appended) and decide whether it finished."""

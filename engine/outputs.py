@@ -1,7 +1,11 @@
 """Results returned to users (vLLM's RequestOutput / CompletionOutput fields)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # `import engine` stays free of torch (engine/threads.py configures it first)
+    from compression.stats import RoundStats
 
 
 @dataclass
@@ -39,52 +43,61 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
+def _gauge(help: str, metric: str | None = None, default=0):
+    return field(default=default, metadata={"kind": "gauge", "help": help, "metric": metric})
+
+
+def _counter(help: str, metric: str | None = None, default=0):
+    return field(default=default, metadata={"kind": "counter", "help": help, "metric": metric})
+
+
 @dataclass
 class EngineStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    num_steps: int = 0
-    compression_rounds: int = 0
-    compression_blocks_freed: int = 0
-    compression_tokens_evicted: int = 0
-    compression_tokens_seen: int = 0  # tokens scored by compression (retention = 1 - evicted / seen)
-    compression_seconds: float = 0.0
-    engine_seconds: float = 0.0
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of which were found there
-    compression_on_demand_rounds: int = 0  # rounds run before a preemption, regardless of the period
-    queries_cached: int = 0  # window tokens whose queries came from the query cache
-    queries_recomputed: int = 0  # window tokens whose queries were recomputed
-    query_cache_bytes: int = 0  # held now by the running sequences' query caches
-    swapped_out_blocks: int = 0
-    swapped_in_blocks: int = 0
-    recomputed_tokens: int = 0  # computed tokens thrown away by recompute preemptions
-    compression_tokens_merged: int = 0  # of the evicted tokens, those folded into a kept slot (merging methods)
-    # per method name: rounds, on_demand_rounds, tokens_seen, tokens_evicted, tokens_merged, blocks_freed, seconds,
-    # queries_cached, queries_recomputed (tokens and seconds add up to the totals above)
-    compression_by_method: dict[str, dict] = field(default_factory=dict)
-    lossless_drafted: int = 0  # tokens drafted from compressed caches
-    lossless_accepted: int = 0  # drafts the full cache agreed with
-    lossless_verifications: int = 0
-    lossless_verify_seconds: float = 0.0
-    full_tier_bytes: int = 0  # host memory holding lossless sequences' full KV (and swapped blocks) now
-    structured_fill_seconds: float = 0.0  # structured outputs: filling the grammar bitmasks
-    structured_apply_seconds: float = 0.0  # applying them to the logits
-    structured_accept_seconds: float = 0.0  # advancing the grammar matchers with the sampled tokens
+    """The engine's statistics, each counted in one place: the owners of a step add to the engine's one record
+    (scheduler, lossless controller, output processor, structured outputs); the compression stage keeps its own
+    `RoundStats`, nested here; gauges are read when a snapshot is taken. Every field declares its Prometheus kind
+    and name (server/metrics.py exports them all by iterating the fields)."""
+    num_running: int = _gauge("Number of sequences running in the engine.", "num_requests_running")
+    num_waiting: int = _gauge("Number of sequences waiting to be scheduled.", "num_requests_waiting")
+    num_blocks: int = _gauge("Total KV blocks in the pool.", "num_kv_blocks")
+    num_free_blocks: int = _gauge("Free KV blocks in the pool.", "num_free_kv_blocks")
+    kv_cache_usage: float = _gauge("KV-cache usage: fraction of KV blocks in use (0..1).", "kv_cache_usage_perc", 0.0)
+    query_cache_bytes: int = _gauge("Bytes held now by the running sequences' query caches.")
+    full_tier_bytes: int = _gauge("Host memory holding lossless full caches and swapped blocks now.")
+    num_steps: int = _counter("Engine steps that ran a batch.")
+    engine_seconds: float = _counter("Wall time spent in engine steps (seconds).", default=0.0)
+    prompt_tokens_total: int = _counter("Prefill tokens processed.", "prompt_tokens")
+    generation_tokens_total: int = _counter("Generation tokens produced.", "generation_tokens")
+    num_preemptions: int = _counter("Cumulative number of preemptions.")
+    swapped_out_blocks: int = _counter("KV blocks swapped out to host memory by preemptions.")
+    swapped_in_blocks: int = _counter("KV blocks swapped back in from host memory.")
+    recomputed_tokens: int = _counter("Computed tokens thrown away by recompute preemptions.")
+    prefix_cache_queries: int = _counter("Prefix cache queries, in terms of prompt tokens looked up.")
+    prefix_cache_hits: int = _counter("Prefix cache hits, in terms of prompt tokens found cached.")
+    lossless_drafted: int = _counter("Lossless mode: tokens drafted from compressed caches.", "lossless_drafted_tokens")
+    lossless_accepted: int = _counter("Lossless mode: drafts the full cache agreed with.", "lossless_accepted_tokens")
+    lossless_verifications: int = _counter("Lossless mode: verification steps.")
+    lossless_verify_seconds: float = _counter("Lossless mode: time spent verifying (seconds).", default=0.0)
+    structured_fill_seconds: float = _counter("Structured outputs: filling grammar bitmasks (seconds).", default=0.0)
+    structured_apply_seconds: float = _counter("Structured outputs: applying them to logits (seconds).", default=0.0)
+    structured_accept_seconds: float = _counter("Structured outputs: advancing grammar matchers (seconds).",
+                                                default=0.0)
+    # the compression stage's own record: totals (compression_<field>) and per method (compression_method_<field>)
+    compression: RoundStats = field(default_factory=lambda: _round_stats(), metadata={"kind": "nested"})
 
     @property
     def lossless_mean_accepted(self) -> float | None:
         """Drafts accepted per verification step."""
         return self.lossless_accepted / self.lossless_verifications if self.lossless_verifications else None
 
-    @property
-    def compression_retention(self) -> float | None:
-        if not self.compression_tokens_seen:
-            return None
-        return 1.0 - self.compression_tokens_evicted / self.compression_tokens_seen
+    def reset(self) -> None:
+        """Zero every count in place (the owners keep counting into this same record)."""
+        for f in fields(self):
+            if f.name != "compression":
+                setattr(self, f.name, type(getattr(self, f.name))())
+
+
+def _round_stats() -> "RoundStats":
+    from compression.stats import RoundStats
+
+    return RoundStats()

@@ -5,6 +5,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from compression.config import KVCompressionConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -25,6 +26,7 @@ class Request:
     done: threading.Event = field(default_factory=threading.Event)
     final: RequestOutput | None = None
     error: BaseException | None = None
+    kv_compression: KVCompressionConfig | None = None  # resolved once, against the engine's setting (None: off)
 
     @property
     def finished(self) -> bool:

@@ -1,8 +1,12 @@
 """Turns the last-position logits of a batch into next tokens: greedy, temperature, top-k, top-p, seeds."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
 import torch
 
+from engine.errors import RequestFailedError
 from engine.sampling_params import SamplingParams
 
 
@@ -78,3 +82,79 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     cdf = probs.double().cumsum(-1)
     u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
     return int(torch.searchsorted(cdf, u.reshape(1)).clamp(max=probs.shape[-1] - 1))
+
+
+@dataclass
+class Sampled:
+    """One step's sampled tokens: (sequence, token, logprob entry or None) in row order, and the sequences whose
+    own part of sampling failed (their requests end alone)."""
+    tokens: list[tuple[Any, int, tuple | None]] = field(default_factory=list)
+    failed: list[tuple[Any, BaseException]] = field(default_factory=list)
+
+
+class Sampler:
+    """The sampling owner of a step: bans EOS and stop ids before min_tokens, applies structured-output masks, lets
+    side signals read the distribution (InfoKV's entropy), draws every row in one batch, and computes logprobs."""
+
+    def __init__(self, eos_token_ids: set[int], seed: int, structured: Any,
+                 side_signals: Callable[[list, torch.Tensor], list] | None = None):
+        self.eos_token_ids = eos_token_ids
+        self.default_generator = torch.Generator().manual_seed(seed)  # for requests without a seed
+        self.structured = structured  # engine/structured.py: grammar masks of constrained rows
+        self.side_signals = side_signals  # (seqs, logits) -> failures
+
+    def banned(self, seq: Any, num_committed: int) -> list[int]:
+        """Stop ids and EOS are masked while fewer than min_tokens tokens are committed."""
+        p = seq.params
+        if num_committed >= p.min_tokens:
+            return []
+        return p.stop_token_ids + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+
+    @staticmethod
+    def ban(logits: torch.Tensor, banned: list[list[int]]) -> None:
+        apply_min_tokens(logits, banned)
+
+    def sample(self, seqs: list, logits: torch.Tensor | None) -> Sampled:
+        out = Sampled()
+        if not seqs:
+            return out
+        self.ban(logits, [self.banned(seq, seq.num_outputs) for seq in seqs])
+        self.structured.mask(seqs, logits)
+        if self.side_signals is not None:
+            out.failed += [(seq, RequestFailedError("recording its sampling entropy", err))
+                           for seq, err in self.side_signals(seqs, logits)]
+        if out.failed:
+            gone = {id(seq) for seq, _ in out.failed}
+            keep = [i for i, s in enumerate(seqs) if id(s) not in gone]
+            if not keep:
+                return out
+            seqs, logits = [seqs[i] for i in keep], logits[keep]
+        tokens = self._draw(seqs, logits, out)
+        top_n = max((s.params.logprobs or 0) for s in seqs)
+        want_logprobs = any(s.params.logprobs is not None for s in seqs)
+        if want_logprobs:
+            chosen, top_vals, top_ids = token_logprobs(logits, tokens, top_n)
+            chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+        failed = {id(seq) for seq, _ in out.failed}
+        for row, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
+            if id(seq) in failed:
+                continue
+            entry = None
+            if want_logprobs and seq.params.logprobs is not None:
+                entry = (chosen[row], top_ids[row][:seq.params.logprobs], top_vals[row][:seq.params.logprobs])
+            out.tokens.append((seq, token, entry))
+        return out
+
+    def _draw(self, seqs: list, logits: torch.Tensor, out: Sampled) -> torch.Tensor:
+        """One batched draw; if it raises, draw row by row so that only the rows that fail end their requests."""
+        try:
+            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.default_generator)
+        except Exception:
+            tokens = logits.argmax(dim=-1)
+            for row, seq in enumerate(seqs):
+                try:
+                    tokens[row] = sample(logits[row:row + 1], [seq.params], [seq.generator],
+                                         self.default_generator)[0]
+                except Exception as err:
+                    out.failed.append((seq, err))
+            return tokens

@@ -74,8 +74,9 @@ class SamplingParams:
 
 
 def _check_compression(value: Any) -> Any:
-    """Validate each given field now (errors name it); keep the value as given: the engine fills omitted fields from
-    its own setting and then checks the rules between fields (buffer < window, ...)."""
+    """Each given field is checked now (errors name it) and the value kept as given: the engine resolves it once,
+    against its own setting, when the request is made (`EngineCore.make_request`), and checks the rules between
+    fields (buffer < window, ...) and the engine's limits then."""
     if value is None:
         return None
     from compression.config import coerce

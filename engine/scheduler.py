@@ -17,14 +17,18 @@ A waiting sequence starts from the longest cached prefix of its prompt.
 """
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from engine.sequence import Sequence, SequenceStatus
 from paging.kv_cache_manager import KVCacheManager
+from util import cdiv
+
+if TYPE_CHECKING:
+    from engine.model_runner import StepResult
+    from engine.outputs import EngineStats
 
 SCHEDULING_POLICIES = ("fcfs", "compression-aware")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -91,26 +95,58 @@ class SchedulerOutput:
     failed: list[tuple[Sequence, BaseException]] = field(default_factory=list)  # retired: their own part raised
     swapped_out: int = 0  # blocks copied to host memory
     swapped_in: int = 0
+    seconds: float = 0.0  # the schedule's wall time (block copies dominate one that swapped)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
+    @property
+    def forward(self) -> list[ScheduledSeq]:
+        """Items the model runs over the pool (everything but verification items)."""
+        return [x for x in self.scheduled if not x.verify and not x.seq.is_finished]
+
+    @property
+    def verify(self) -> list[Sequence]:
+        return [x.seq for x in self.scheduled if x.verify and not x.seq.is_finished]
+
     def __bool__(self) -> bool:
         return bool(self.scheduled)
 
 
+class Verifier(Protocol):
+    """Sequences whose next tokens are verified outside the pool (lossless mode: engine/lossless.py). The scheduler
+    gives them a verification item when one is due, and knows nothing else of them."""
+    def due(self, seq: Sequence) -> int: ...  # tokens of the verification item due now (0: none)
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool: ...  # room outside the pool (False: restart it)
+    def admissible(self, seq: Sequence, busy: bool) -> bool: ...  # may it start now (others running: busy)
+    def swappable(self, seq: Sequence) -> bool: ...
+    def on_preempt(self, seq: Sequence) -> None: ...  # its KV is gone: drop what was not verified
+
+
+class _NoVerifier:
+    def due(self, seq): return 0
+    def reserve(self, seq, num_tokens): return True
+    def admissible(self, seq, busy): return True
+    def swappable(self, seq): return True
+    def on_preempt(self, seq): pass
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 reclaim: Callable[[list[Sequence], int], int] | None = None):
+                 reclaim: Callable[[list[Sequence], int], int] | None = None, verifier: Verifier | None = None,
+                 stats: EngineStats | None = None):
+        from engine.outputs import EngineStats
+
         self.config = config
         self.kv = kv
+        # the engine's counters it adds to: preemptions, swapped blocks, recomputed and prompt tokens
+        self.stats = stats if stats is not None else EngineStats()
         self.reclaim = reclaim  # (running sequences, blocks wanted) -> blocks freed by compressing now
+        self.verifier = verifier or _NoVerifier()
         self.costs = PreemptionCosts()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
-        self.recomputed_tokens = 0  # computed tokens thrown away by recompute preemptions
 
     # -- queue management -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -140,6 +176,7 @@ class Scheduler:
         return n
 
     def schedule(self) -> SchedulerOutput:
+        t0 = time.perf_counter()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self._reclaim_if_short(budget)
@@ -170,14 +207,15 @@ class Scheduler:
                     break
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
+        out.seconds = time.perf_counter() - t0
         return out
 
     def _schedule_running(self, seq: Sequence, i: int, budget: int, out: SchedulerOutput) -> ScheduledSeq | None:
         """This step's item of the running sequence at index i (None: it was preempted)."""
-        if self._verifies(seq):  # lossless: the drafts are due; the full tier takes them, not the pool
-            n = len(seq.draft_token_ids) + 1
-            if not self.kv.full_reserve(seq, seq.full_len + n):
-                self.preempt(seq, out, swap=False)  # host store full: start over from the prompt
+        n = self.verifier.due(seq)
+        if n:  # its tokens are verified outside the pool
+            if not self.verifier.reserve(seq, n):
+                self.preempt(seq, out, swap=False)  # no room there: start over from the prompt
                 return None
             return ScheduledSeq(seq, n, verify=True)
         n = self._chunk(seq, budget, seq.num_computed_tokens)
@@ -243,14 +281,9 @@ class Scheduler:
             return self.running[-1]
         return min(reversed(self.running[i:]), key=self._eviction_cost)  # ties: the newest
 
-    @staticmethod
-    def _verifies(seq: Sequence) -> bool:
-        ls = seq.lossless
-        return ls is not None and ls.draft_kv_start >= 0 and len(seq.draft_token_ids) >= ls.target
-
     def _swaps(self, seq: Sequence) -> bool:
         mode = self.config.preemption_mode
-        if mode == "recompute" or seq.lossless is not None or not self.kv.can_swap_out(seq):
+        if mode == "recompute" or not self.verifier.swappable(seq) or not self.kv.can_swap_out(seq):
             return False
         return mode == "swap" or self.costs.swap(seq) < self.costs.recompute(seq)
 
@@ -267,18 +300,16 @@ class Scheduler:
             if out is not None:
                 out.swapped_out += moved
         else:
-            self.recomputed_tokens += seq.num_computed_tokens
+            self.stats.recomputed_tokens += seq.num_computed_tokens
             self.kv.free(seq, finished=False)
             seq.num_computed_tokens = 0
             if seq.compression is not None:
                 seq.compression.on_preempt()
-            if seq.lossless is not None:  # unverified drafts are dropped; the committed tokens stay
-                seq.draft_token_ids.clear()
-                seq.lossless.reset()
+            self.verifier.on_preempt(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        self.stats.num_preemptions += 1
         if out is not None:
             out.preempted.append(seq)
 
@@ -291,33 +322,31 @@ class Scheduler:
         if self.config.projected_output_len is not None:
             limit = min(limit, self.config.projected_output_len)
         final = seq.num_prompt_tokens + max(limit, seq.num_outputs)
-        st = seq.compression
-        if st is None:
-            peak = final
-        elif st.config.policy == "threshold":
-            peak = min(final, st.config.threshold_max)
-        else:
-            # a compressed region of n tokens keeps `kept`; the tail before a round is at most |W| + period
-            c = st.config
-            grown = max(0, final - st.start)
-            tail = min(grown, c.window + c.compression_period)
-            peak = st.start + math.ceil((grown - tail) * st.kept_per_window / c.region_len) + tail
-        return -(-peak // self.kv.block_size)
+        peak = final if seq.compression is None else seq.compression.peak_kv_len(final)
+        return cdiv(peak, self.kv.block_size)
 
     def _admissible(self, seq: Sequence) -> bool:
-        if seq.lossless is not None and self.kv.host_pool is not None and self.running:
-            final = seq.num_prompt_tokens + (seq.params.max_tokens or self.config.max_model_len)
-            if -(-final // self.kv.block_size) > self.kv.host_pool.num_free:
-                return False  # its full tier would not fit the host store now
+        if not self.verifier.admissible(seq, busy=bool(self.running)):
+            return False
         if self.config.scheduling_policy == "fcfs" or not self.running:
             return True
         total = sum(self.projected_blocks(s) for s in self.running) + self.projected_blocks(seq)
         return total <= self.kv.pool.num_blocks * self.config.admission_optimism
 
-    def commit(self, scheduled: list[ScheduledSeq]) -> None:
-        """Record that the scheduled tokens' K/V are now in the cache (verification items: see engine/core.py)."""
-        for item in scheduled:
-            if item.verify:
-                continue
-            item.seq.num_computed_tokens += item.num_tokens
-            self.kv.commit(item.seq, item.num_tokens)
+    def update_from_output(self, out: SchedulerOutput, result: StepResult) -> None:
+        """After the forward: the scheduled tokens' K/V are in the cache (verification items: engine/lossless.py);
+        the step's counters and the preemption costs it measured."""
+        for item in out.forward:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            self.kv.commit(seq, item.num_tokens)
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                self.stats.prompt_tokens_total += item.num_tokens
+        self.stats.swapped_out_blocks += out.swapped_out
+        self.stats.swapped_in_blocks += out.swapped_in
+        if out.swapped_out or out.swapped_in:  # block copies dominate a schedule that swapped
+            self.costs.seconds_per_block = (0.7 * self.costs.seconds_per_block
+                                            + 0.3 * out.seconds / (out.swapped_out + out.swapped_in))
+        if result.num_tokens >= 64:  # prefill-heavy steps say what recomputing a token costs
+            self.costs.seconds_per_token = (0.7 * self.costs.seconds_per_token
+                                            + 0.3 * result.seconds / result.num_tokens)

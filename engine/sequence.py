@@ -83,8 +83,24 @@ class Sequence:
     scoring: ScoringState | None = None
     compression: CompressionState | None = None
     lossless: LosslessState | None = None
+    # Unverified slots sit in the KV cache (a lossless draft): compression must neither read nor rewrite it, and no
+    # query of it is kept. Set and cleared by engine/lossless.py only.
+    kv_frozen: bool = False
     structured: GrammarState | None = None  # structured outputs: the grammar matcher (engine/structured.py)
     detok: DetokState = field(default_factory=DetokState)
+
+    @property
+    def cacheable_prompt_tokens(self) -> int:
+        """Leading prompt tokens that compaction never rewrites: the only ones the prefix cache may share."""
+        p = self.num_prompt_tokens
+        return p if self.compression is None else min(p, self.compression.protected_tokens())
+
+    @property
+    def logits_from(self) -> int:
+        """The first logical position whose logits the next forward must compute: the last token's (the next token),
+        and for teacher-forced scoring every scored position's."""
+        last = self.num_tokens - 1
+        return last if self.scoring is None else min(last, self.scoring.score_from - 1)
 
     @property
     def num_tokens(self) -> int:

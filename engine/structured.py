@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.outputs import EngineStats
 from engine.structured_params import StructuredOutputsParams, choice_grammar
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class StructuredOutputs:
     """The engine's structured-output state: the tokenizer's info and the compiler (built on first use), a bitmask
     buffer, and the batched mask / accept steps."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], threads: int = 1):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], threads: int = 1, stats=None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
@@ -59,7 +60,7 @@ class StructuredOutputs:
         self._batch = None
         self._lock = threading.Lock()  # requests are created on the callers' threads
         self._bitmask: torch.Tensor | None = None
-        self.seconds = (0.0, 0.0, 0.0)  # (fill, apply, accept): EngineStats.structured_*_seconds
+        self.stats = stats if stats is not None else EngineStats()  # adds structured_{fill,apply,accept}_seconds
 
     # -- compile ------------------------------------------------------------------------------------------
     def _xgr(self):
@@ -144,8 +145,8 @@ class StructuredOutputs:
         apply_bitmask(logits, device_mask, rows, self.vocab_size)
         if before is not None:
             _restore_empty_rows(logits, rows, before, bitmask, self.vocab_size)
-        fill, apply, accept = self.seconds
-        self.seconds = (fill + t1 - t0, apply + time.perf_counter() - t1, accept)
+        self.stats.structured_fill_seconds += t1 - t0
+        self.stats.structured_apply_seconds += time.perf_counter() - t1
 
     def accept(self, seq: Sequence, token: int) -> None:
         """Advance the sequence's matcher by its newly committed output token (already appended)."""
@@ -158,8 +159,7 @@ class StructuredOutputs:
             raise RuntimeError(f"structured outputs: the grammar rejected token {token} of request "
                                f"{seq.request_id} (the mask was not applied to its logits)")
         st.num_accepted += 1
-        fill, apply, accept = self.seconds
-        self.seconds = (fill, apply, accept + time.perf_counter() - t0)
+        self.stats.structured_accept_seconds += time.perf_counter() - t0
 
 
 def sync(seq: Sequence, upto: int | None = None) -> None:

@@ -22,9 +22,22 @@ follow the kept tokens (AMS credit, InfoKV entropy) is compacted the same way by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
+
+
+@dataclass
+class CompactionRequest:
+    """What a compressor asks of the KV manager for one sequence: keep `kept` [L, Hkv, K] (indices into the region,
+    strictly increasing) of its region [region_start, region_start + region_len). ``new_keys`` / ``new_values``
+    [L, Hkv, K, D] (merging, both or neither) are written into the K kept slots instead of their old K/V."""
+    seq: Any
+    region_start: int
+    region_len: int
+    kept: torch.Tensor
+    new_keys: torch.Tensor | None = None
+    new_values: torch.Tensor | None = None
 
 
 @dataclass

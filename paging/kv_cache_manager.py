@@ -5,24 +5,48 @@ stage asks it to gather keys and apply compactions, preemption and finishing ask
 Prefix caching: full blocks of a prompt are keyed by (parent key, token ids) and registered in the pool once
 computed. A new (or preempted) request takes the longest cached prefix of its prompt and only prefills the rest.
 Blocks whose reference count drops to zero stay cached until an allocation evicts them (least recently freed
-first). Compaction rewrites slots in place, so it must never touch a shared or cached block: only the tokens a
-sequence's compression never rewrites (`CompressionState.protected_tokens`: the prompt, unless prompt
-compression or the threshold policy is on) are ever cached or taken from the cache.
+first). Compaction rewrites slots in place, so it must never touch a shared or cached block: only a sequence's
+`cacheable_prompt_tokens` (the prompt tokens its compression never rewrites) are ever cached or taken from the
+cache.
+
+Paging imports nothing of the engine or of compression: what it reads of a sequence is `PagedSequence`, and the
+compaction jobs it applies are its own `paging.compaction.CompactionRequest`.
 """
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Callable, Sequence as Seq
+from typing import Callable, Protocol, Sequence as Seq
 
 import torch
 
 from paging.block_pool import BlockPool
-from paging.compaction import CompactionJob, blocks_to_free, compact_batch
+from paging.compaction import CompactionJob, CompactionRequest, blocks_to_free, compact_batch
 from paging.kv_cache import KVCache
 
-if TYPE_CHECKING:
-    from compression.stage import CompactionRequest
-    from engine.sequence import Sequence
+
+class PagedSequence(Protocol):
+    """What the KV manager reads of a sequence (engine/sequence.py has it) and the fields only it writes."""
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]  # owned here
+    kv_len: int  # owned here
+    host_block_table: list[int]  # owned here: swapped out
+    full_block_table: list[int]  # owned here: the lossless full tier
+    full_len: int  # owned here
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def cacheable_prompt_tokens(self) -> int: ...  # leading prompt tokens that compaction never rewrites
+    @property
+    def logits_from(self) -> int: ...  # first logical position whose logits the next step must compute
+
+
+Sequence = PagedSequence
 
 
 class KVCacheManager:
@@ -58,10 +82,7 @@ class KVCacheManager:
 
     # -- prefix cache -------------------------------------------------------------------------------------
     def _cacheable_tokens(self, seq: "Sequence") -> int:
-        if not self.enable_prefix_caching:
-            return 0
-        st = seq.compression
-        return seq.num_prompt_tokens if st is None else min(seq.num_prompt_tokens, st.protected_tokens)
+        return seq.cacheable_prompt_tokens if self.enable_prefix_caching else 0
 
     def _block_keys(self, seq: "Sequence") -> list[int]:
         keys = self._keys.get(seq.seq_id)
@@ -80,10 +101,7 @@ class KVCacheManager:
         needed is left to compute: the last one (the next token) and, for scoring, all from `score_from - 1`."""
         if not self.enable_prefix_caching or seq.block_table:
             return []
-        need_logits_from = seq.num_tokens - 1
-        if seq.scoring is not None:  # teacher-forced scoring needs the logits of every scored position
-            need_logits_from = min(need_logits_from, seq.scoring.score_from - 1)
-        limit = max(0, need_logits_from) // self.block_size
+        limit = max(0, seq.logits_from) // self.block_size
         blocks = []
         for key in self._block_keys(seq)[:limit]:
             b = self.pool.lookup(key)
@@ -295,7 +313,7 @@ class KVCacheManager:
         """Values of KV slots [start, start + length), all layers: [L, Hkv, length, D]."""
         return self._gather(seq, start, length, 1)
 
-    def compact(self, jobs: list["CompactionRequest"]) -> list[int]:
+    def compact(self, jobs: list[CompactionRequest]) -> list[int]:
         """Apply compactions (one batched gather/scatter), shrink KV lengths, free whole blocks past the new ends. A
         job carrying ``new_keys`` / ``new_values`` (merging) has those written into its kept slots. Returns the
         number of blocks freed per job."""
@@ -319,13 +337,13 @@ class KVCacheManager:
             freed_counts.append(len(freed))
         return freed_counts
 
-    def compact_data(self, jobs: list["CompactionRequest"]) -> list[int]:
+    def compact_data(self, jobs: list[CompactionRequest]) -> list[int]:
         """The data movement of `compact` alone (no block is freed, no table or length changes): what a
         tensor-parallel worker runs on its KV shard while rank 0's `compact` keeps the books. Returns the new
         KV lengths."""
         return compact_batch(self.kv_cache.data, [
             CompactionJob(j.seq.block_table, j.region_start, j.region_len, j.kept, j.seq.kv_len,
-                          new_keys=getattr(j, "new_keys", None), new_values=getattr(j, "new_values", None))
+                          new_keys=j.new_keys, new_values=j.new_values)
             for j in jobs], check_indices=False)
 
     # -- checks -------------------------------------------------------------------------------------------

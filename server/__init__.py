@@ -2,7 +2,7 @@
 
 
 def build_app(*args, **kwargs):
-    """See `server.app.build_app` (imported lazily so `server.bench` does not pull in the engine)."""
+    """See `server.app.build_app` (imported lazily: `import server` must stay light)."""
     from server.app import build_app as _build_app
 
     return _build_app(*args, **kwargs)

@@ -39,7 +39,8 @@ from server.chat import create_chat_completion
 from server.config import ServerConfig
 from server.errors import error_response, request_error_response, validation_error_response
 from server.metrics import CONTENT_TYPE
-from server.serving import ServerState, create_completion
+from server.serving import create_completion
+from server.state import ServerState
 from server.tokenization import detokenize, tokenize
 
 logger = logging.getLogger("kvllm.server")

@@ -30,7 +30,8 @@ from api.tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from server import reasoning, tools
 from server.chat_output import ChoiceReader, OutputPlan, make_plan
 from server.request_ids import engine_ids, response_id
-from server.serving import Gen, Serving, ServerState, log_ignored
+from server.serving import Gen, Serving, log_ignored
+from server.state import ServerState
 from server.tools.base import ToolCallDelta
 from server.tools.schema import tool_choice_schema
 

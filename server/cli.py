@@ -87,7 +87,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def compression_from_args(args: argparse.Namespace) -> Any:
     """None (engine default) or the settings of --kv-compression (a method or a JSON object) with the shortcut flags
     merged over it (EngineConfig validates them)."""
-    value = getattr(args, "kv_compression", None)
+    value = args.kv_compression
     d: dict[str, Any] = dict(value) if isinstance(value, dict) else {"method": value} if value is not None else {}
     for flag, field in _COMPRESSION_FLAGS.items():
         v = getattr(args, flag, None)
@@ -103,11 +103,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from engine.argspec import given
     from engine.config import EngineConfig
 
-    kw = given(args, EngineConfig)
-    comp = compression_from_args(args)
-    if comp is not None:
-        kw["kv_compression"] = comp
-    return kw
+    args.kv_compression = compression_from_args(args)  # the shortcut flags merged into the field's value
+    return given(args, EngineConfig)
 
 
 def _setup_logging(level: str) -> None:
@@ -192,7 +189,7 @@ def _stop_engine_at_app_shutdown(app, engine) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from server.bench import add_cli_args as add_bench_args
+    from bench.serve_client import add_cli_args as add_bench_args
 
     parser = argparse.ArgumentParser(prog="kvllm", description="kvllm: LLM inference server with KV compression")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -212,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    from server.bench import main as bench_main
+    from bench.serve_client import main as bench_main
 
     return bench_main(args)
 

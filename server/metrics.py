@@ -5,16 +5,13 @@ without a prefix, and `PrefixedCollector` exports every one of them under each c
 suffixes and labels (``vllm:num_requests_waiting`` and ``kvllm:num_requests_waiting``), so vLLM dashboards and routers
 work unchanged.
 
-* Engine-wide gauges and counters are read from ``engine.stats()`` at scrape time (a custom collector):
-  ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (0..1), ``num_kv_blocks``,
-  ``num_free_kv_blocks``, ``prompt_tokens_total``, ``generation_tokens_total``, ``num_preemptions_total``, the
-  compression counters ``compression_rounds_total``, ``compression_blocks_freed_total``,
-  ``compression_tokens_evicted_total``, ``compression_seconds_total``, and the prefix cache's
-  ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens, as vLLM counts them).
-  Per compression method (label ``method``, from ``EngineStats.compression_by_method``):
-  ``compression_method_rounds_total``, ``..._tokens_seen_total``, ``..._tokens_evicted_total``,
-  ``..._tokens_merged_total``, ``..._blocks_freed_total``, ``..._seconds_total``; tokens, blocks and seconds add up
-  to the totals (a round that compressed sequences of two methods counts once for each of them).
+* Engine-wide gauges and counters are read from ``engine.stats()`` at scrape time: every field of
+  `engine.outputs.EngineStats` under the name it declares (vLLM's ``num_requests_running``,
+  ``num_requests_waiting``, ``kv_cache_usage_perc`` (0..1), ``prompt_tokens_total``, ``generation_tokens_total``,
+  ``num_preemptions_total``, ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens), and kvllm's
+  own), the compression record as ``compression_<field>_total`` and, per method (label ``method``),
+  ``compression_method_<field>_total``: tokens, blocks and seconds of the methods add up to the totals (a round
+  that compressed sequences of two methods counts once for each of them).
   ``cache_config_info`` (value 1; the KV cache's settings as labels, vLLM's ``block_size`` / ``num_gpu_blocks`` ...).
 * Per-request histograms observed by the HTTP layer (seconds, vLLM's buckets): ``time_to_first_token_seconds``,
   ``inter_token_latency_seconds``, ``e2e_request_latency_seconds``, ``request_prompt_tokens``,
@@ -30,12 +27,16 @@ work unchanged.
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from compression.stats import RoundStats, counted_fields
+from engine.outputs import EngineStats
 
 # No "<name>_created" series (vLLM hides them too); process-wide, which is what a server process wants.
 prometheus_client.disable_created_metrics()
@@ -52,47 +53,9 @@ TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 
 
 class EngineStatsCollector(Collector):
-    """Reads ``engine.stats()`` when scraped."""
-
-    GAUGES = (
-        ("num_requests_running", "num_running", "Number of sequences running in the engine."),
-        ("num_requests_waiting", "num_waiting", "Number of sequences waiting to be scheduled."),
-        ("kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage: fraction of KV blocks in use (0..1)."),
-        ("num_kv_blocks", "num_blocks", "Total KV blocks in the pool."),
-        ("num_free_kv_blocks", "num_free_blocks", "Free KV blocks in the pool."),
-        ("full_tier_bytes", "full_tier_bytes", "Host memory holding lossless full caches and swapped blocks."),
-    )
-    COUNTERS = (
-        ("prompt_tokens", "prompt_tokens_total", "Prefill tokens processed."),
-        ("generation_tokens", "generation_tokens_total", "Generation tokens produced."),
-        ("num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
-        ("compression_rounds", "compression_rounds", "KV-compression rounds run."),
-        ("compression_blocks_freed", "compression_blocks_freed", "KV blocks freed by compression."),
-        ("compression_tokens_evicted", "compression_tokens_evicted", "KV tokens evicted by compression."),
-        ("compression_seconds", "compression_seconds", "Wall time spent compressing (seconds)."),
-        ("compression_tokens_seen", "compression_tokens_seen", "KV tokens scored by compression."),
-        ("compression_tokens_merged", "compression_tokens_merged",
-         "KV tokens folded into a kept slot by merging compression (counted in the evicted tokens too)."),
-        ("compression_on_demand_rounds", "compression_on_demand_rounds",
-         "Compression rounds run on demand before a preemption."),
-        ("swapped_out_blocks", "swapped_out_blocks", "KV blocks swapped out to host memory by preemptions."),
-        ("recomputed_tokens", "recomputed_tokens", "Computed tokens thrown away by recompute preemptions."),
-        ("lossless_drafted_tokens", "lossless_drafted", "Lossless mode: tokens drafted from compressed caches."),
-        ("lossless_accepted_tokens", "lossless_accepted", "Lossless mode: drafts the full cache agreed with."),
-        ("lossless_verifications", "lossless_verifications", "Lossless mode: verification steps."),
-        ("lossless_verify_seconds", "lossless_verify_seconds", "Lossless mode: time spent verifying (seconds)."),
-        ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of prompt tokens looked up."),
-        ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of prompt tokens found cached."),
-    )
-
-    METHOD_COUNTERS = (
-        ("rounds", "Compression rounds that compressed sequences of this method."),
-        ("tokens_seen", "KV tokens scored by this compression method."),
-        ("tokens_evicted", "KV tokens removed by this compression method (merged ones included)."),
-        ("tokens_merged", "KV tokens folded into a kept slot by this compression method."),
-        ("blocks_freed", "KV blocks freed by this compression method."),
-        ("seconds", "Wall time spent compressing with this method (seconds; a round's shared work split by tokens)."),
-    )
+    """Reads ``engine.stats()`` when scraped and exports every field of `engine.outputs.EngineStats` by iterating
+    them (each field declares its kind, name and help), the nested compression record as ``compression_<field>``
+    totals and ``compression_method_<field>{method}`` series."""
 
     def __init__(self, engine: Any, model_name: str, prefix: str = ""):
         self.engine = engine
@@ -102,25 +65,34 @@ class EngineStatsCollector(Collector):
     def describe(self):
         return []
 
+    def _family(self, kind: str, name: str, doc: str, labels: tuple[str, ...] = ("model_name",)):
+        cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+        return cls(self.prefix + name, doc, labels=list(labels))
+
+    def _compression(self, rs: RoundStats):
+        for f in counted_fields():
+            total = self._family("counter", "compression_" + f.name, f.metadata["help"])
+            total.add_metric([self.model_name], float(getattr(rs, f.name)))
+            yield total
+            per = self._family("counter", "compression_method_" + f.name, f.metadata["help"] + " Per method.",
+                               ("model_name", "method"))
+            for method in sorted(rs.by_method):
+                per.add_metric([self.model_name, method], float(getattr(rs.by_method[method], f.name)))
+            yield per
+
     def collect(self):
         try:
             stats = self.engine.stats()
         except Exception:  # a dead engine must not break /metrics
             stats = None
-        for name, attr, doc in self.GAUGES:
-            g = GaugeMetricFamily(self.prefix + name, doc, labels=["model_name"])
-            g.add_metric([self.model_name], float(getattr(stats, attr, 0) or 0))
-            yield g
-        for name, attr, doc in self.COUNTERS:
-            c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
-            c.add_metric([self.model_name], float(getattr(stats, attr, 0) or 0))
-            yield c
-        by_method = getattr(stats, "compression_by_method", None) or {}
-        for key, doc in self.METHOD_COUNTERS:
-            c = CounterMetricFamily(self.prefix + "compression_method_" + key, doc, labels=["model_name", "method"])
-            for method in sorted(by_method):
-                c.add_metric([self.model_name, method], float(by_method[method].get(key, 0) or 0))
-            yield c
+        for f in fields(EngineStats):
+            kind = f.metadata["kind"]
+            if kind == "nested":
+                yield from self._compression(getattr(stats, f.name, None) or RoundStats())
+                continue
+            family = self._family(kind, f.metadata["metric"] or f.name, f.metadata["help"])
+            family.add_metric([self.model_name], float(getattr(stats, f.name, 0) or 0))
+            yield family
         healthy = GaugeMetricFamily(self.prefix + "engine_healthy", "1 while the engine loop runs.",
                                     labels=["model_name"])
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from api.protocol import OPTIONAL_SAMPLING_FIELDS, sampler_supports
+from api.sampling import OPTIONAL_SAMPLING_FIELDS, sampler_supports
 from engine.generation_config import sampling_defaults
 
 logger = logging.getLogger("kvllm.server")

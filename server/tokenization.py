@@ -15,7 +15,7 @@ from api.tokenize import (
 )
 
 if TYPE_CHECKING:
-    from server.serving import ServerState
+    from server.state import ServerState
 
 
 def _tokenizer(state: "ServerState", param: str) -> Any:

@@ -7,7 +7,7 @@ import math
 import httpx
 import pytest
 
-from server.bench import arrival_times, calculate_metrics, RequestResult, run_benchmark, sample_random
+from bench.serve_client import RequestResult, arrival_times, calculate_metrics, run_benchmark, sample_random
 from server_fixtures import *  # noqa: F401,F403
 from server_fixtures import serve, wait_drained
 

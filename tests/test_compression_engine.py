@@ -24,11 +24,11 @@ def test_periodic_rounds_shrink_kv_and_free_blocks(make_engine):
     out = eng.generate([prompt], greedy(60), use_tqdm=False)[0]
     st = eng.stats()
     assert len(out.outputs[0].token_ids) == 60
-    assert st.compression_rounds >= 3
+    assert st.compression.rounds >= 3
     # every compressed window of n = 12 slots keeps ceil(0.25 * 12) + 2 = 5
     assert cfg.kept_per_window == 5
-    assert st.compression_tokens_seen % 12 == 0 and st.compression_tokens_evicted == st.compression_tokens_seen // 12 * 7
-    assert st.compression_blocks_freed > 0
+    assert st.compression.tokens_seen % 12 == 0 and st.compression.tokens_evicted == st.compression.tokens_seen // 12 * 7
+    assert st.compression.blocks_freed > 0
 
 
 def test_kv_len_and_position_diverge_and_prompt_is_untouched(make_engine):
@@ -65,7 +65,7 @@ def test_new_tokens_use_logical_positions_after_compression(make_engine, tiny_hf
     prompt = list(range(40, 60))
     out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0),
                        use_tqdm=False)[0].outputs[0]
-    assert eng.stats().compression_rounds >= 2
+    assert eng.stats().compression.rounds >= 2
     tokens = prompt + out.token_ids
     # replay the schedule: step s (s = 0 is the prefill) yields output s and leaves P + s tokens computed; after
     # it a round runs when the sequence has run 12 tokens since its last round and its tail holds a window of 16
@@ -107,7 +107,7 @@ def test_ratio_one_keeps_outputs_identical(make_engine):
     ref = make_engine().generate(prompts, greedy(70), use_tqdm=False)
     eng = make_engine(kv_compression={**KARA, "ratio": 1.0})
     outs = eng.generate(prompts, greedy(70), use_tqdm=False)
-    assert eng.stats().compression_rounds >= 3
+    assert eng.stats().compression.rounds >= 3
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
 
@@ -116,7 +116,7 @@ def test_long_compressed_runs_with_preemption_and_aborts_keep_invariants(make_en
     # make_engine checks the invariants after every step
     reqs = run_with_random_aborts(eng, random.Random(0), 10, (3, 20), (20, 90), abort_every=17)
     st = eng.stats()
-    assert st.compression_rounds > 0 and st.num_preemptions > 0
+    assert st.compression.rounds > 0 and st.num_preemptions > 0
     assert st.num_free_blocks == st.num_blocks
     for req in reqs:
         o = req.final.outputs[0]
@@ -129,12 +129,12 @@ def test_per_request_settings(make_engine):
     eng = make_engine(kv_compression=KARA)
     p = [list(range(5, 25))]
     eng.generate(p, greedy(50, kv_compression="none"), use_tqdm=False)
-    assert eng.stats().compression_rounds == 0
+    assert eng.stats().compression.rounds == 0
     eng.generate(p, greedy(50, kv_compression={**SMALL, "method": "random", "ratio": 0.5}), use_tqdm=False)
-    assert eng.stats().compression_rounds > 0
+    assert eng.stats().compression.rounds > 0
     off = make_engine()
     off.generate(p, greedy(50, kv_compression=KARA), use_tqdm=False)
-    assert off.stats().compression_rounds > 0
+    assert off.stats().compression.rounds > 0
     with pytest.raises(ValueError, match="window"):  # a rule between fields: checked once merged with the engine's
         eng.generate(p, greedy(5, kv_compression={"method": "kara", "window": 4, "buffer": 8}), use_tqdm=False)
     with pytest.raises(ValueError, match="window"):
@@ -154,10 +154,10 @@ def test_threshold_policy_caps_kv_length(make_engine):
         if not req.seqs[0].is_finished:
             peak = max(peak, req.seqs[0].kv_len)
             lengths.append(req.seqs[0].kv_len)
-    assert peak <= 32 and eng.stats().compression_rounds >= 3
+    assert peak <= 32 and eng.stats().compression.rounds >= 3
     # every round shrinks the cache from C_max = 32 to exactly N = 20 (and it then grows one slot per step)
     drops = [(a, b) for a, b in zip(lengths, lengths[1:]) if b < a]
-    assert len(drops) == eng.stats().compression_rounds and all(b == 20 for _, b in drops)
+    assert len(drops) == eng.stats().compression.rounds and all(b == 20 for _, b in drops)
 
 
 def test_prompt_compression(make_engine):
@@ -183,21 +183,21 @@ def test_query_recomputation_only_for_selectors_that_use_queries(make_engine, mo
     monkeypatch.setattr(eng.core.runner, "recompute_queries", lambda spans: calls.append(len(spans)) or real(spans))
     eng.generate([list(range(10, 30))], greedy(40), use_tqdm=False)
     st = eng.stats()
-    assert st.compression_rounds >= 2 and st.compression_tokens_evicted == st.compression_tokens_seen // 12 * 7
+    assert st.compression.rounds >= 2 and st.compression.tokens_evicted == st.compression.tokens_seen // 12 * 7
     assert bool(calls) == recomputes
     if method == "kara":  # the window tokens' queries come from one place or the other
-        assert (st.queries_cached > 0) == (source == "cache") and (st.queries_recomputed > 0) == recomputes
+        assert (st.compression.queries_cached > 0) == (source == "cache") and (st.compression.queries_recomputed > 0) == recomputes
 
 
 def _preempt_and_reprefill(eng, seq):
     """Force a recompute preemption of `seq`, then step until its re-prefill completed."""
     eng.core.scheduler.preempt(seq, swap=False)  # recompute (swap would keep the cache)
     assert seq.compression.pending and seq.kv_len == 0 and seq.block_table == []
-    rounds = eng.stats().compression_rounds
+    rounds = eng.stats().compression.rounds
     while seq.num_pending_tokens > 1:  # the re-prefill of prompt + outputs
         eng.step()
     # the step that completed the re-prefill ran a round for it: every full window of the recomputed outputs
-    assert eng.stats().compression_rounds == rounds + 1 and not seq.compression.pending
+    assert eng.stats().compression.rounds == rounds + 1 and not seq.compression.pending
     st = seq.compression
     tail = seq.num_computed_tokens - 20
     assert st.compressed_tokens - 20 == (tail - 4) // 12 * 12 > 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import compression.stage as stage_module
-import engine.core as core_module
+import engine.sampler as sampler_module
 from engine import SamplingParams
 from engine.errors import RequestFailedError
 
@@ -67,7 +67,7 @@ def _fault_compaction_job(eng, victim, monkeypatch):
 
 
 def _fault_window_selection(eng, victim, monkeypatch):
-    comp = eng.core.compression.compressor(_victim_seq(victim).compression.config)
+    comp = eng.core.stage.compressor(_victim_seq(victim).compression.config)
     gen = _victim_seq(victim).compression.rng()
     real = type(comp).select_windows
 
@@ -80,7 +80,7 @@ def _fault_window_selection(eng, victim, monkeypatch):
 
 
 def _fault_threshold_selection(eng, victim, monkeypatch):
-    comp = eng.core.compression.compressor(_victim_seq(victim).compression.config)
+    comp = eng.core.stage.compressor(_victim_seq(victim).compression.config)
     real = type(comp).select_threshold
 
     def select(self, batch):
@@ -103,14 +103,14 @@ def _fault_entropy(eng, victim, monkeypatch):
 
 
 def _fault_sampling(eng, victim, monkeypatch):
-    real = core_module.sample
+    real = sampler_module.sample
 
     def sample(logits, params, *args):
         if any(p is victim.params for p in params) and _victim_seq(victim).num_outputs >= 3:
             raise RuntimeError("injected: sampling")
         return real(logits, params, *args)
 
-    monkeypatch.setattr(core_module, "sample", sample)
+    monkeypatch.setattr(sampler_module, "sample", sample)
 
 
 CASES = [  # (fault, compression setting of every request, where the victim's error says it failed)
@@ -140,7 +140,7 @@ def test_a_fault_in_one_requests_part_fails_it_alone(make_engine, monkeypatch, f
     for r in others:
         assert r.error is None and r.final.outputs[0].token_ids == alone[r.request_id]
     assert eng.is_healthy()
-    assert eng.stats().compression_rounds > 0
+    assert eng.stats().compression.rounds > 0
 
 
 def test_a_fault_in_the_batched_forward_still_stops_the_loop(make_engine, monkeypatch):

@@ -286,7 +286,7 @@ def test_engine_on_cuda_end_to_end(tiny_llama_dir):
                      attention_backend=backend)
         assert (type(eng.core.attn).__name__ == "FlashInferBackend") == (backend == "auto")
         outs[backend] = [o.outputs[0].token_ids for o in eng.generate(prompts, params, use_tqdm=False)]
-        assert eng.stats().compression_rounds > 0
+        assert eng.stats().compression.rounds > 0
         eng.check_invariants()
     agree = [sum(x == y for x, y in zip(a, b)) / len(a) for a, b in zip(outs["auto"], outs["torch"])]
     assert outs["auto"][0][:8] == outs["torch"][0][:8] and min(agree) >= 0.5, agree

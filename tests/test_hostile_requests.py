@@ -100,7 +100,7 @@ def test_a_fault_in_one_requests_compression_round_is_a_500_for_it_alone(tiny_se
     """The victim (its own kv_compression seed) gets a 500 naming the cause; requests in flight beside it, streamed
     and not, finish normally; /health stays 200; every block comes back."""
     setting = {"method": "random", "window": 16, "buffer": 4, "ratio": 0.5, "compression_period": 12}
-    comp = tiny_engine.core.compression.compressor(tiny_engine.core.compression.resolve(setting))
+    comp = tiny_engine.core.stage.compressor(tiny_engine.core.stage.resolve(setting))
     real = type(comp).select_windows
 
     def select(self, batch):

@@ -77,10 +77,10 @@ def test_compression_swap_and_lossless_work_on_a_half_cache(make_engine):
     outs = eng.generate(prompts, greedy(80, kv_compression={**KARA, "lossless": True}), use_tqdm=False)
     st = eng.stats()
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
-    assert st.compression_rounds > 0 and st.lossless_verifications > 0
+    assert st.compression.rounds > 0 and st.lossless_verifications > 0
     lossy = make_engine(kv_cache_dtype="float16", num_kv_blocks=48, watermark=0, max_model_len=128)
     lossy.generate(prompts, greedy(80, kv_compression=KARA), use_tqdm=False)
-    assert lossy.stats().compression_rounds > 0 and lossy.stats().num_preemptions > 0
+    assert lossy.stats().compression.rounds > 0 and lossy.stats().num_preemptions > 0
 
 
 def test_bad_kv_cache_dtype_names_the_field(make_engine):

@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compression import KVCompressionConfig
-from compression.stage import CompactionRequest
+from paging.compaction import CompactionRequest
 from compression.state import CompressionState
+from engine.model_runner import StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
@@ -68,7 +69,7 @@ def test_second_request_with_a_cached_three_block_prefix_prefills_only_the_rest(
     assert b.block_table == [0, 1, 2, 4, 5]  # b's 5 new tokens need 2 new blocks after the shared three
     assert [kv.pool.ref_counts[x] for x in range(7)] == [2, 2, 2, 1, 1, 1, 0]
     assert kv.prefix_queries == 14 + 17 and kv.prefix_hits == 12  # a looked up 14 tokens, b 17
-    sched.commit(out.scheduled)
+    sched.update_from_output(out, StepResult())  # the model "ran"
     kv.check_invariants(sched.running)
     sched.finish(a)
     sched.finish(b)

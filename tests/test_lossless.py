@@ -35,7 +35,7 @@ def test_greedy_lossless_output_equals_uncompressed_output(make_engine, comp):
     st = eng.stats()
     assert tokens(outs) == tokens(ref)
     assert tokens(lossy) != tokens(ref)  # the compression really changes the output when it is lossy
-    assert st.compression_rounds > 0 and st.lossless_verifications > 0 and st.lossless_drafted > 0
+    assert st.compression.rounds > 0 and st.lossless_verifications > 0 and st.lossless_drafted > 0
     assert 0 < st.lossless_accepted < st.lossless_drafted  # some drafts were rejected and rolled back
 
 
@@ -145,7 +145,7 @@ AGGRESSIVE = {"method": "kara", "window": 8, "buffer": 2, "ratio": 0.1, "chunk_m
 def test_lossless_sampling_has_the_full_cache_distribution(make_engine, monkeypatch):
     assert _divergence(make_engine, AGGRESSIVE) > 1e-3
     # a wrong rule, accepting every draft, samples the compressed cache's distribution: the same test rejects it
-    import engine.core as core
+    import engine.lossless as lossless
 
-    monkeypatch.setattr(core, "accept", lambda drafts, target, q, g: list(drafts) + [int(target[-1].argmax())])
+    monkeypatch.setattr(lossless, "accept", lambda drafts, target, q, g: list(drafts) + [int(target[-1].argmax())])
     assert _divergence(make_engine, AGGRESSIVE) < 1e-6

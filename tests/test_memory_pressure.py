@@ -31,7 +31,7 @@ def setup(num_blocks, reclaim=True, **cfg):
 
 def seq(stage, prompt, rid, comp=STREAM, max_tokens=100):
     s = Sequence(rid, list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens))
-    s.compression = stage.new_state(comp, len(prompt), None)
+    s.compression = stage.new_state(stage.resolve(comp), len(prompt), None)
     return s
 
 
@@ -130,8 +130,8 @@ def test_engine_under_pressure_compresses_instead_of_preempting(make_engine):
         outs = eng.generate(prompts, greedy(60), use_tqdm=False)
         runs[on] = eng.stats()
         assert all(len(o.outputs[0].token_ids) == 60 for o in outs)
-    assert runs[False].num_preemptions > 0 and runs[False].compression_on_demand_rounds == 0
-    assert runs[True].compression_on_demand_rounds > 0
+    assert runs[False].num_preemptions > 0 and runs[False].compression.on_demand_rounds == 0
+    assert runs[True].compression.on_demand_rounds > 0
     assert runs[True].num_preemptions < runs[False].num_preemptions
     assert runs[True].recomputed_tokens < runs[False].recomputed_tokens
 
@@ -155,7 +155,7 @@ def test_cached_queries_give_the_same_first_round_selection_as_recomputed_ones(m
         eng = make_engine(kv_compression={**KARA, "query_source": source})
         outs[source] = eng.generate([list(range(10, 30))], greedy(26), use_tqdm=False)[0].outputs[0].token_ids
         st = eng.stats()
-        assert st.compression_rounds == 1 and (st.queries_cached > 0) == (source == "cache")
+        assert st.compression.rounds == 1 and (st.compression.queries_cached > 0) == (source == "cache")
     assert torch.equal(kept["recompute"], kept["cache"])
     assert outs["recompute"] == outs["cache"]
 

@@ -74,7 +74,7 @@ def test_every_method_runs_with_preemptions_and_aborts(make_engine, method, poli
     reqs = run_with_random_aborts(eng, random.Random(hash(method) % 1000), 8, (3, 16), (20, 70), abort_every=13)
     st = eng.stats()
     assert st.num_preemptions > 0
-    assert st.compression_by_method[method]["rounds"] > 0 and st.compression_tokens_evicted > 0
+    assert st.compression.by_method[method].rounds > 0 and st.compression.tokens_evicted > 0
     assert any(r.final.outputs[0].finish_reason == "abort" for r in reqs)
     for req in reqs:
         o = req.final.outputs[0]
@@ -93,8 +93,8 @@ def test_ratio_one_is_identical_to_no_compression_for_every_method(make_engine):
     outs = eng.generate([p for _ in names for p in prompts], params, use_tqdm=False)
     for i, m in enumerate(names):
         assert [o.outputs[0].token_ids for o in outs[2 * i:2 * i + 2]] == ref, m
-        assert eng.stats().compression_by_method[m]["rounds"] >= 3, m
-    assert eng.stats().compression_tokens_evicted == 0
+        assert eng.stats().compression.by_method[m].rounds >= 3, m
+    assert eng.stats().compression.tokens_evicted == 0
 
 
 def test_per_method_stats_add_up_to_the_totals(make_engine):
@@ -108,15 +108,15 @@ def test_per_method_stats_add_up_to_the_totals(make_engine):
     while eng.has_unfinished_requests():
         eng.step()
     st = eng.stats()
-    by = st.compression_by_method
+    by = {name: r.as_dict() for name, r in st.compression.by_method.items()}
     assert set(by) == {m for m, _ in runs}
-    for key, total in (("tokens_seen", st.compression_tokens_seen), ("tokens_evicted", st.compression_tokens_evicted),
-                       ("tokens_merged", st.compression_tokens_merged),
-                       ("blocks_freed", st.compression_blocks_freed)):
+    for key, total in (("tokens_seen", st.compression.tokens_seen), ("tokens_evicted", st.compression.tokens_evicted),
+                       ("tokens_merged", st.compression.tokens_merged),
+                       ("blocks_freed", st.compression.blocks_freed)):
         assert sum(v[key] for v in by.values()) == total > 0, key
-    assert sum(v["seconds"] for v in by.values()) == pytest.approx(st.compression_seconds, rel=1e-9, abs=1e-12)
+    assert sum(v["seconds"] for v in by.values()) == pytest.approx(st.compression.seconds, rel=1e-9, abs=1e-12)
     rounds = [v["rounds"] for v in by.values()]
-    assert max(rounds) <= st.compression_rounds < sum(rounds)  # rounds mixed methods
+    assert max(rounds) <= st.compression.rounds < sum(rounds)  # rounds mixed methods
     # independent token accounting from each sequence's own frontier and event count: a periodic round takes whole
     # regions of n = 12 and keeps K of each; a threshold event scores the T - w = 28 slots before the observation
     # window and keeps N - w = 16
@@ -322,7 +322,7 @@ def test_centroids_are_written_into_the_kept_slots_window_by_window(make_engine,
     assert torch.equal(got_k[:, :, 3 * K:], batch.keys[last, :, 12:])
     assert torch.equal(got_v[:, :, 3 * K:], batch.values[last, :, 12:])
     st = eng.stats()
-    assert st.compression_tokens_merged == st.compression_tokens_evicted == 3 * (12 - K)
+    assert st.compression.tokens_merged == st.compression.tokens_evicted == 3 * (12 - K)
     run_until_done(eng, req)
 
 
@@ -415,7 +415,7 @@ def test_snapkv_threshold_form_is_the_threshold_baseline(make_engine):
     b = eng.generate(prompts, greedy(60, kv_compression={"method": "snapkv", "policy": "threshold", **common}),
                      use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
-    by = eng.stats().compression_by_method
+    by = {name: r.as_dict() for name, r in eng.stats().compression.by_method.items()}
     assert by["threshold"]["rounds"] == by["snapkv"]["rounds"] >= 3
     assert by["threshold"]["tokens_evicted"] == by["snapkv"]["tokens_evicted"]
     # and the outputs differ from no compression at all (the comparison can fail)

@@ -45,12 +45,12 @@ def http(tiny_server):
 
 @pytest.mark.parametrize("method,policy", RUNS)
 def test_every_method_is_selectable_per_request(tiny_engine, http, drained, method, policy):
-    before = tiny_engine.stats().compression_by_method.get(method, {}).get("rounds", 0)
+    before = getattr(tiny_engine.stats().compression.by_method.get(method), "rounds", 0)
     r = http.post("/v1/completions", json=body(tiny_engine.model_name, setting(method, policy)))
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["usage"]["completion_tokens"] == 48 and out["choices"][0]["finish_reason"] == "length"
-    assert tiny_engine.stats().compression_by_method[method]["rounds"] > before  # it ran with this method
+    assert tiny_engine.stats().compression.by_method[method].rounds > before  # it ran with this method
 
 
 @pytest.mark.parametrize("method", [m for m in registry.names() if m != "none"])
@@ -87,4 +87,4 @@ def test_metrics_report_each_method(tiny_server, tiny_engine, http, drained):
             assert sum(series.values()) == pytest.approx(total, rel=1e-6), key
     assert values[f'kvllm:compression_method_tokens_merged_total{{method="centroid",model_name="{model}"}}'] > 0
     assert values[f'kvllm:compression_method_tokens_merged_total{{method="rkv",model_name="{model}"}}'] == 0
-    assert st.compression_by_method["centroid"]["tokens_merged"] > 0
+    assert st.compression.by_method["centroid"].tokens_merged > 0

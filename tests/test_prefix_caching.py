@@ -34,7 +34,7 @@ def test_outputs_identical_with_and_without_prefix_caching(make_engine, kv_compr
     st = eng.stats()
     assert st.prefix_cache_hits == 4 * 28 and st.prefix_cache_queries == sum(len(p) for p in prompts) + 32
     if kv_compression is not None:
-        assert st.compression_rounds > 0
+        assert st.compression.rounds > 0
 
 
 def test_requests_in_flight_share_blocks_and_aborts_free_them(make_engine):
@@ -87,14 +87,14 @@ def test_smollm2_shared_long_prefix_same_output_cached_or_not_also_with_kara(smo
         prompts = [system + eng.encode_prompt(q) for q in
                    [" Summarise the text.", " Who wrote it?", " List three key terms.", " Translate the title."]]
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, kv_compression=comp)
-        rounds = eng.stats().compression_rounds
+        rounds = eng.stats().compression.rounds
         cold = eng.generate(prompts, params, use_tqdm=False)
         warm = eng.generate(prompts, params, use_tqdm=False)
         assert tokens(cold) == tokens(warm)
         assert all(o.num_cached_tokens == 0 for o in cold)
         assert all(o.num_cached_tokens >= 288 for o in warm)
         if comp != "none":
-            assert eng.stats().compression_rounds - rounds >= 8
+            assert eng.stats().compression.rounds - rounds >= 8
     eng.check_invariants()
 
 

@@ -30,7 +30,7 @@ def test_a_request_gives_the_same_output_alone_and_among_eight_others(make_engin
     eng = make_engine(kv_compression=KARA)  # the engine default compresses the others too
     prompt = list(range(10, 30))
     alone = eng.generate([prompt], params, use_tqdm=False)[0]
-    rounds_alone = eng.stats().compression_rounds
+    rounds_alone = eng.stats().compression.rounds
     # the others start earlier and later, with other lengths: the global step count differs from the run alone
     others = [eng.new_request(p, greedy(20 + 7 * i), f"o{i}") for i, p in enumerate(OTHERS)]
     for r in others[:4]:
@@ -43,19 +43,19 @@ def test_a_request_gives_the_same_output_alone_and_among_eight_others(make_engin
         eng.add_request(r)
     while eng.has_unfinished_requests():
         eng.step()
-    assert rounds_alone >= 3 and eng.stats().compression_rounds > 2 * rounds_alone
+    assert rounds_alone >= 3 and eng.stats().compression.rounds > 2 * rounds_alone
     assert target.final.outputs[0].token_ids == alone.outputs[0].token_ids
 
 
 def test_request_compression_period_is_honoured_over_the_engine_default(make_engine):
     eng = make_engine(kv_compression=KARA)  # engine period 12
     eng.generate([list(range(10, 30))], greedy(60), use_tqdm=False)
-    default_rounds = eng.stats().compression_rounds
+    default_rounds = eng.stats().compression.rounds
     eng.reset_stats()
     eng.generate([list(range(10, 30))], greedy(60, kv_compression={"compression_period": 36}), use_tqdm=False)
     # period 12: rounds at 16, 28, 40, 52 tokens; period 36: one round at 36 (two windows), the next would be at 72
-    assert default_rounds == 4 and eng.stats().compression_rounds == 1
-    assert eng.stats().compression_tokens_seen == 24
+    assert default_rounds == 4 and eng.stats().compression.rounds == 1
+    assert eng.stats().compression.tokens_seen == 24
 
 
 def test_kara_inside_the_engine_matches_an_independent_float64_reference(make_engine, tiny_hf_llama):
@@ -68,7 +68,7 @@ def test_kara_inside_the_engine_matches_an_independent_float64_reference(make_en
     prompt = [7, 19, 33, 41, 5, 8, 90, 12, 64, 3, 27, 101, 55, 18, 77, 46, 9, 120, 31, 14]
     N, P = 56, len(prompt)
     out = eng.generate([prompt], greedy(N, logprobs=0), use_tqdm=False)[0].outputs[0]
-    assert eng.stats().compression_rounds == 4
+    assert eng.stats().compression.rounds == 4
 
     ref = ReferenceDecoder(tiny_hf_llama)
     logits = ref.prefill(prompt)
@@ -164,7 +164,7 @@ def test_n_greater_than_one_with_compression(make_engine):
     assert len({tuple(o.token_ids) for o in out.outputs}) == 3
     st = eng.stats()
     # the three sequences are due at the same steps (16, 28, 40 tokens): three batched rounds of three windows
-    assert st.compression_rounds == 3 and st.compression_tokens_seen == 3 * 3 * 12
+    assert st.compression.rounds == 3 and st.compression.tokens_seen == 3 * 3 * 12
 
 
 def test_prompt_plus_max_tokens_equal_to_max_model_len(make_engine):

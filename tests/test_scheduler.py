@@ -1,6 +1,7 @@
 """Scheduler with exact block ids: chunked prefill, admission, preemption by recompute, finishing."""
 import torch
 
+from engine.model_runner import StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
@@ -22,7 +23,7 @@ def run_step(sched, sampled_token=7):
     """Schedule, pretend the model ran, append one token to every sequence whose prefill completed."""
     out = sched.schedule()
     done = [s.seq for s in out.scheduled if s.completes_prefill]
-    sched.commit(out.scheduled)
+    sched.update_from_output(out, StepResult())  # the model "ran"
     for s in done:
         s.output_token_ids.append(sampled_token)
     return out
@@ -92,9 +93,9 @@ def test_preemption_frees_newest_sequence_and_it_resumes_from_prompt_plus_output
     assert a.block_table == [0, 2, 1]  # b's blocks are freed head-first reusable: block 1 comes back first
     assert b.status == SequenceStatus.WAITING and b.block_table == [] and b.kv_len == 0
     assert b.num_computed_tokens == 0 and b.output_token_ids == [11, 12, 13, 13, 13]
-    assert list(sched.waiting) == [b] and sched.num_preemptions == 1
+    assert list(sched.waiting) == [b] and sched.stats.num_preemptions == 1
     pool.check_invariants()
-    sched.commit(out.scheduled)
+    sched.update_from_output(out, StepResult())  # the model "ran"
     a.output_token_ids.append(14)
     sched.finish(a)
     assert pool.num_free == 4

@@ -371,7 +371,8 @@ def test_cli_serve_real_smollm2_end_to_end(tmp_path):
 
 def test_request_to_sampling_params_mapping():
     """The protocol → SamplingParams mapping, including per-request kv_compression over the server's setting."""
-    from api.protocol import ChatCompletionRequest, CompletionRequest, RequestError, to_sampling_params
+    from api.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+    from api.sampling import to_sampling_params
     from compression import KVCompressionConfig
 
     p = to_sampling_params(CompletionRequest(prompt="x", n=2, temperature=0, top_k=-1, stop="###", seed=5,

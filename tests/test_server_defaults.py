@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.protocol import ChatCompletionRequest, CompletionRequest, RequestError, sampler_supports, to_sampling_params
+from api.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from api.sampling import sampler_supports, to_sampling_params
 from engine.chat_template import load_chat_template
 from engine.generation_config import sampling_defaults
 from server.config import ServerConfig

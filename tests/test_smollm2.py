@@ -38,10 +38,10 @@ def test_kara_with_ratio_one_is_lossless_over_many_rounds(smollm2_engine):
     kara = {"method": "kara", "ratio": 1.0, "window": 64, "buffer": 8, "compression_period": 56}
     base = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=320, ignore_eos=True, kv_compression="none"),
                         use_tqdm=False)
-    before = eng.stats().compression_rounds
+    before = eng.stats().compression.rounds
     comp = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=320, ignore_eos=True, kv_compression=kara),
                         use_tqdm=False)
-    assert eng.stats().compression_rounds - before >= 4
+    assert eng.stats().compression.rounds - before >= 4
     for a, b in zip(base, comp):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     eng.check_invariants()
@@ -61,6 +61,6 @@ def test_lossless_kara_equals_uncompressed_output(smollm2_engine):
     eng.reset_stats()
     out = eng.generate(prompts, SamplingParams(kv_compression=kara, **params), use_tqdm=False)
     st = eng.stats()
-    assert st.compression_rounds >= 4 and st.lossless_verifications > 0 and st.lossless_drafted > 0
+    assert st.compression.rounds >= 4 and st.lossless_verifications > 0 and st.lossless_drafted > 0
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     eng.check_invariants()

@@ -115,3 +115,111 @@ def test_no_merge_conflict_remnants_and_docs_code_fences_are_balanced():
     for doc in (ROOT / "docs").glob("*.md"):
         fences = sum(1 for line in doc.read_text().splitlines() if line.startswith("```"))
         assert fences % 2 == 0, f"{doc.name}: an unclosed code block"
+
+
+# -- the re-seated engine step (one owner per concern, plain results between them) ----------------------------
+def test_paging_imports_neither_the_engine_nor_compression():
+    bad = [(str(p.relative_to(ROOT)), name) for p, tree in _modules("paging") for name in _imports(tree)
+           if name.split(".")[0] in ("engine", "compression", "server", "api")]
+    assert not bad, f"paging/ imports: {bad}"
+
+
+def _count_statements(fn: ast.FunctionDef) -> int:
+    return sum(1 for node in ast.walk(fn) if isinstance(node, ast.stmt) and node is not fn)
+
+
+def test_the_engine_step_is_a_short_loop_over_its_owners():
+    tree = ast.parse((ROOT / "engine" / "core.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineCore")
+    step = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "step")
+    assert _count_statements(step) <= 15, f"EngineCore.step has {_count_statements(step)} statements"
+
+
+def test_statement_counter_counts_nested_statements():
+    fn = ast.parse("def f():\n    a = 1\n    if a:\n        b = 2\n        c = 3\n    return a\n").body[0]
+    assert _count_statements(fn) == 5
+
+
+def _compression_state_methods() -> set[str]:
+    import inspect
+
+    from compression.state import CompressionState
+
+    return {name for name, member in inspect.getmembers(CompressionState, inspect.isfunction)
+            if not name.startswith("_")}
+
+
+def compression_state_reads(tree: ast.AST, methods: set[str]) -> list[tuple[int, str]]:
+    """`<x>.compression.<name>` that is not a call of a CompressionState method, and aliases `y = <x>.compression`
+    (which would hide later reads)."""
+    calls = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    bad = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "compression" and not (id(node) in calls and node.attr in methods)):
+            bad.append((node.lineno, node.attr))
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "compression"):
+            bad.append((node.lineno, "alias"))
+    return sorted(bad)
+
+
+def test_only_compression_reads_compression_state_and_names_methods():
+    from compression import registry
+
+    methods = _compression_state_methods()
+    outside = ("engine", "paging", "server", "api", "util")
+    reads = [(str(p.relative_to(ROOT)), line, what) for p, tree in _modules(*outside)
+             for line, what in compression_state_reads(tree, methods)]
+    assert not reads, f"compression state read outside compression/: {reads}"
+    names = set(registry.names()) - {"none"}
+    named = [(str(p.relative_to(ROOT)), node.lineno, node.value) for p, tree in _modules(*outside)
+             for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in names]
+    assert not named, f"compression methods named outside compression/: {named}"
+
+
+def test_the_compression_state_read_finder_catches_reads_and_aliases():
+    src = "seq.compression.config.lossless\nst = seq.compression\nseq.compression.on_preempt()\nseq.compression.x()\n"
+    assert compression_state_reads(ast.parse(src), {"on_preempt"}) == [(1, "config"), (2, "alias"), (4, "x")]
+
+
+def test_every_engine_setting_has_a_generated_flag():
+    from dataclasses import fields
+
+    from engine.config import EngineConfig
+    from server.cli import build_parser
+
+    serve = next(a for a in build_parser()._subparsers._group_actions[0].choices.values()
+                 if any(getattr(x, "dest", None) == "tokenizer" for x in a._actions))
+    dests = {a.dest for a in serve._actions}
+    missing = [f.name for f in fields(EngineConfig) if f.name != "model" and f.name not in dests]
+    assert not missing, f"EngineConfig fields without a flag: {missing}"
+    assert all("setting" in f.metadata for f in fields(EngineConfig)), "a field without its setting() declaration"
+    # no hand list of them in the CLI: it reads the declarations (engine/argspec.py)
+    cli = ast.parse((ROOT / "server" / "cli.py").read_text())
+    flags = {f.name for f in fields(EngineConfig) if f.metadata["setting"]["flag"]}  # (MODEL is positional)
+    listed = {n.value for n in ast.walk(cli) if isinstance(n, ast.Constant)} & flags
+    assert not listed, f"server/cli.py names EngineConfig fields by hand: {listed}"
+
+
+def test_every_engine_statistic_is_exported():
+    import types
+    from dataclasses import fields
+
+    from compression.stats import RoundStats, counted_fields
+    from engine.outputs import EngineStats
+    from server.metrics import ServerMetrics
+
+    stats = EngineStats()
+    stats.compression.method("kara").rounds = 1
+    engine = types.SimpleNamespace(stats=lambda: stats, is_healthy=lambda: True, config=None,
+                                   kv_compression_config=None, model_name="m")
+    text = ServerMetrics(engine, "m", ("kvllm:",)).render().decode()
+    for f in fields(EngineStats):
+        if f.name == "compression":
+            for g in counted_fields():
+                assert f"kvllm:compression_{g.name}" in text and f"kvllm:compression_method_{g.name}" in text, g.name
+            continue
+        name = f.metadata["metric"] or f.name
+        assert f"\nkvllm:{name}" in text, f"EngineStats.{f.name} is not exported"
+    assert isinstance(stats.compression, RoundStats)

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.protocol import ChatCompletionRequest, RequestError, to_sampling_params
+from api.protocol import ChatCompletionRequest, RequestError
+from api.sampling import to_sampling_params
 from api.tools import ChatCompletionTool, NamedToolChoice, ToolError, resolve_tool_choice
 from server import tools
 from server.tools.base import ParsedToolCall

@@ -97,7 +97,7 @@ def run(path: Path, tp: int, prompts, params, **kwargs):
     finally:
         eng.shutdown()
     print(f"TP={tp}: {sum(len(o.outputs[0].token_ids) for o in outs)} tokens in {seconds:.1f} s, "
-          f"{stats.compression_rounds} rounds, {stats.compression_blocks_freed} blocks freed")
+          f"{stats.compression.rounds} rounds, {stats.compression.blocks_freed} blocks freed")
     return [o.outputs[0].token_ids for o in outs], stats, log, workers
 
 
@@ -108,8 +108,8 @@ def check_worker_matches_rank0(worker: dict, stats, log: list) -> None:
     assert worker["checked"] == len(log)
     s = worker["stage"]
     assert (s["rounds"], s["blocks_freed"], s["tokens_evicted"], s["tokens_seen"]) == (
-        stats.compression_rounds, stats.compression_blocks_freed, stats.compression_tokens_evicted,
-        stats.compression_tokens_seen)
+        stats.compression.rounds, stats.compression.blocks_freed, stats.compression.tokens_evicted,
+        stats.compression.tokens_seen)
     assert worker["sequences"] == []
 
 
@@ -127,10 +127,10 @@ def test_tp2_greedy_equals_tp1_with_kara_compression_over_320_tokens(tiny_dir):
     # compression really ran (many rounds, blocks freed) and changed what the model attended to
     plain, _, _, _ = run(tiny_dir, 1, prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert plain != ref
-    assert stats.compression_rounds == ref_stats.compression_rounds >= 10
-    assert stats.compression_blocks_freed == ref_stats.compression_blocks_freed > 0
-    assert stats.queries_cached == ref_stats.queries_cached > 0
-    assert stats.queries_recomputed == ref_stats.queries_recomputed > 0
+    assert stats.compression.rounds == ref_stats.compression.rounds >= 10
+    assert stats.compression.blocks_freed == ref_stats.compression.blocks_freed > 0
+    assert stats.compression.queries_cached == ref_stats.compression.queries_cached > 0
+    assert stats.compression.queries_recomputed == ref_stats.compression.queries_recomputed > 0
     # a round whenever the uncompressed tail reaches a window: 24 tokens after the first, which leaves the buffer
     assert len(log) == 4 * ((NEW_TOKENS - 1 - KARA["buffer"]) // (KARA["window"] - KARA["buffer"]))
     check_worker_matches_rank0(worker, stats, log)
@@ -149,16 +149,17 @@ def test_tp2_equals_tp1_under_memory_pressure(tiny_dir):
                                              "query_source": "cache" if i < 2 else "recompute"}) for i in range(4)]
     # 12 host blocks at TP=1, and at TP=2 too (swap_space is split over the ranks, each block holds half the heads)
     swap = 12 * bytes_per_block(3, 4, 2, 16, torch.float32)
-    kw = dict(num_kv_blocks=44, watermark=0, preemption_mode="swap", swap_space=swap)
+    kw = dict(num_kv_blocks=44, watermark=0, preemption_mode="swap", swap_space=f"{swap}B")
     ref, ref_stats, _, _ = run(tiny_dir, 1, prompts, params, **kw)
     got, stats, log, [worker] = run(tiny_dir, 2, prompts, params, **kw)
 
     assert got == ref
     assert stats.num_preemptions > 0 and stats.swapped_out_blocks > 0 and stats.swapped_in_blocks > 0
-    assert stats.recomputed_tokens > 0 and stats.compression_on_demand_rounds > 0
-    for name in ("num_preemptions", "swapped_out_blocks", "swapped_in_blocks", "recomputed_tokens",
-                 "compression_rounds", "compression_on_demand_rounds", "compression_blocks_freed"):
+    assert stats.recomputed_tokens > 0 and stats.compression.on_demand_rounds > 0
+    for name in ("num_preemptions", "swapped_out_blocks", "swapped_in_blocks", "recomputed_tokens"):
         assert getattr(stats, name) == getattr(ref_stats, name), name
+    for name in ("rounds", "on_demand_rounds", "blocks_freed"):
+        assert getattr(stats.compression, name) == getattr(ref_stats.compression, name), name
     check_worker_matches_rank0(worker, stats, log)
 
 
@@ -189,7 +190,7 @@ def test_replicated_kv_heads(tmp_path):
     finally:
         eng.shutdown()
     assert got == ref
-    assert stats.compression_rounds > 0 and worker["heads"] == (2, 1)
+    assert stats.compression.rounds > 0 and worker["heads"] == (2, 1)
     check_worker_matches_rank0(worker, stats, log)
 
 

@@ -232,9 +232,7 @@ class TPDriver:
     def _announce(self, seq) -> P.NewSequence:
         self._known.add(seq.seq_id)
         weakref.finalize(seq, self._dropped.append, seq.seq_id)  # the worker forgets it when rank 0 does
-        st = seq.compression
-        spec = None if st is None else P.CompressionSpec(st.config.to_dict(), st.start, st.query_source,
-                                                         st.kept_per_window)
+        spec = None if seq.compression is None else seq.compression.spec()
         return P.NewSequence(seq.seq_id, seq.request_id, spec)
 
     def send(self, op: Any, seqs=()) -> None:
@@ -259,7 +257,7 @@ class TPDriver:
 
     def on_round(self, kind: str, seqs) -> None:
         snaps = [P.RoundSequence(s.seq_id, s.num_computed_tokens, s.kv_len, list(s.block_table),
-                                 {f: getattr(s.compression, f) for f in P.STATE_FIELDS}) for s in seqs]
+                                 s.compression.frontier()) for s in seqs]
         self.send(P.Round(kind, snaps), seqs)
 
     def inspect(self) -> list[dict]:

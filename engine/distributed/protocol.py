@@ -25,26 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-#: The fields of `compression.state.CompressionState` rank 0 ships with every round (tensors stay on each rank).
-STATE_FIELDS = ("start", "compressed_tokens", "compressed_kv_len", "last_round_at", "pending", "ever_compressed",
-                "rounds")
-
-
-@dataclass
-class CompressionSpec:
-    """How a worker rebuilds a sequence's CompressionState: the config as a dict (coerce rebuilds it) and what
-    rank 0's stage resolved when the request arrived."""
-    config: dict[str, Any]
-    start: int
-    query_source: str
-    kept_per_window: int
-
-
 @dataclass
 class NewSequence:
     seq_id: int
     request_id: str
-    compression: CompressionSpec | None
+    compression: dict[str, Any] | None  # `CompressionState.spec()`: how the worker rebuilds the state
 
 
 @dataclass
@@ -81,7 +66,7 @@ class RoundSequence:
     num_computed_tokens: int
     kv_len: int
     block_table: list[int]
-    state: dict[str, Any]  # STATE_FIELDS of its CompressionState
+    state: dict[str, Any]  # its `CompressionState.frontier()`
 
 
 @dataclass

@@ -53,6 +53,7 @@ class _SeqView:
     compression: Any
     tokens: list[int]
     scoring: Any = None
+    kv_frozen: bool = False  # rank 0 sends only rounds over sequences it may compress
 
     def token_slice(self, start: int, n: int) -> list[int]:
         ids = self.tokens[start:start + n]
@@ -140,14 +141,12 @@ class Worker:
         for kind, src, dst in sync.copies:
             self._copy(kind, src, dst)
 
-    def _compression_state(self, spec: P.CompressionSpec | None):
+    def _compression_state(self, spec: dict | None):
         if spec is None:
             return None
-        from compression.config import coerce
         from compression.state import CompressionState
 
-        return CompressionState(coerce(spec.config), spec.start, query_source=spec.query_source,
-                                kept_per_window=spec.kept_per_window)
+        return CompressionState.from_spec(spec)
 
     def _copy(self, kind: str, src: list[int], dst: list[int]) -> None:
         """Swap preemption's data movement, as rank 0's KVCacheManager.swap_out / swap_in make it."""
@@ -219,14 +218,13 @@ class Worker:
             row += n
         out = self.runner.forward(plan)
         for (i, first, _), q in zip(plan.capture_spans, out.captured, strict=True):
-            self.mirrors[plan.seq_ids[i]].compression.queries.store(first, q)
+            self.mirrors[plan.seq_ids[i]].compression.store_queries(first, q)
 
     def _round(self, op: P.Round) -> None:
         views = []
         for rs in op.seqs:
             m = self._mirror(rs.seq_id)
-            for name, value in rs.state.items():
-                setattr(m.compression, name, value)
+            m.compression.set_frontier(rs.state)
             views.append(_SeqView(rs.seq_id, m.request_id, rs.num_computed_tokens, rs.kv_len, list(rs.block_table),
                                   m.compression, m.tokens))
         start = len(self.pending_checks)
