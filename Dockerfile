@@ -7,7 +7,8 @@
 #     docker build --target cpu -t kvllm:cpu .
 #     docker run -p 8000:8000 kvllm:cpu                                            # SmolLM2 (baked in)
 #
-#   CUDA (torch CUDA build + flashinfer-python from the `cuda` extra; not built on the project's machines):
+#   CUDA (torch CUDA build + flashinfer-python from the `cuda` extra; not built on the project's machines). BuildKit
+#   (docker's default builder) skips the CPU stages; the legacy one (DOCKER_BUILDKIT=0) builds them first:
 #     docker build --target cuda -t kvllm .
 #     docker run --gpus all --ipc=host -p 8000:8000 kvllm                          # SmolLM2 (baked in)
 #     docker run --gpus all --ipc=host -p 8000:8000 -v /models:/models kvllm /models/Qwen3-8B --kv-compression kara

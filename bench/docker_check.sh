@@ -289,10 +289,16 @@ check_cuda_stage() {
     done
     kill -TERM "$pid" 2>/dev/null  # the client goes, the daemon cancels the build; --force-rm removes its container
     wait "$pid" 2>/dev/null
-    # the untagged layers the cut-short build committed (rmi also removes their untagged parents)
+    # the untagged layers the cut-short build committed (rmi also removes their untagged parents), once the
+    # container of the cancelled RUN, which still holds the last of them, is gone
     last=$(sed -n 's/^ ---> \([0-9a-f]\{12\}\)$/\1/p' "$WORK/cuda.log" | tail -n 1)
-    [ -n "$last" ] && docker rmi "$last" >/dev/null 2>&1
-    return 0
+    [ -n "$last" ] || return 0
+    for _ in $(seq 1 30); do
+        docker ps -aq --filter "ancestor=$last" | xargs -r docker rm -f >/dev/null 2>&1
+        docker rmi "$last" >/dev/null 2>&1 && return 0
+        sleep 1
+    done
+    log "could not remove the cuda stage's layers (docker rmi $last)"
 }
 
 summary() {
