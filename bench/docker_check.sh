@@ -74,6 +74,12 @@ cleanup() {
     if [ "$KEEP" = 0 ] && [ ${#MADE_IMAGES[@]} -gt 0 ]; then
         docker rmi -f "${MADE_IMAGES[@]}" >/dev/null 2>&1
     fi
+    # Untagged images the builds left (a builder stage built anew by the second build when the context changed in
+    # between, a cut-short cuda build): rmi takes a leaf with its untagged parents and refuses an image with children.
+    local id
+    for id in $(sed -n 's/^ ---> \([0-9a-f]\{12\}\)$/\1/p' "$WORK/build.log" "$WORK/cuda.log" 2>/dev/null | tac); do
+        [ "$(docker image inspect -f '{{len .RepoTags}}' "$id" 2>/dev/null)" = 0 ] && docker rmi "$id" >/dev/null 2>&1
+    done
     rm -f "${LOCAL_COPIES[@]}"
     if [ -n "$STARTED_DOCKERD" ] && [ "${KEEP_DOCKERD:-0}" != 1 ]; then
         kill -TERM "$STARTED_DOCKERD" 2>/dev/null
