@@ -4,18 +4,27 @@ ample pool, and the teacher-forced quality cost on the quality bench's cases; th
 throughput ratio vs NLL increase per pool and names the best setting at <= 1% text-NLL cost.
 
 Throughput: the offline Engine's continuous batching (add_request + step, every request submitted at once,
-bench/common.py run_requests), 32-token real-text prompts, |W|-proportional greedy outputs with ignore_eos
-(--output-per-window x |W| new tokens: 2,048 at |W| = 512 by default, about four rounds), one engine per
-(|W|, pool) running none, every setting, then none again (the ratio's reference is their mean; the spread is
-reported as the drift). Quality: compression_quality's trials (real text, a planted passage in the first window,
-its repetition at the end) teacher-forced through the engine's compressed cache: text NLL, recall NLL, and the
-NLL after the first round, each as the increase over the full cache. Greedy agreement: tokens to the first
-divergence from none's output of the same prompt. Work units run in --workers processes (one engine each, one
-CPU thread each by default). Public API only for the throughput runs (the quality runs reuse
-bench/compression_quality.py).
+bench/common.py run_requests), 32-token real-text prompts, greedy outputs with ignore_eos of --output-per-window x
+|W| new tokens (2,048 at |W| = 512 by default, about four rounds at every |W|). On the pool for N uncompressed
+sequences a run has --oversubscription x N requests (the same pressure on each pool); one engine per (|W|, pool)
+runs none, every setting, then none again (the ratio's reference is their mean, their spread the drift). Quality:
+compression_quality's cases (real text, a planted passage in the first window, its repetition at the end),
+teacher-forced through the engine's compressed cache, the same tokens for every setting: text NLL, recall NLL and
+the NLL after the first round, each as the increase over the full cache; greedy agreement: tokens to the first
+divergence from none's output of the same prompt.
 
-    python -m bench.pareto                # the whole sweep (table, plots, reading -> docs/benchmarks.md)
-    python -m bench.pareto --quick        # a ~10-minute subset
+Budget: compression lets every request of a pressured pool run at once, so a run costs about |W|-proportional
+decode steps whatever its request count; the grid's two pressured pools are therefore the bulk of the time. The
+ample pool can only show what compression costs, so by default (--ample-for front) it runs after the pressured
+pools, for the settings on their fronts, the best within the bound, the best by the recommendation rule and the
+engine default, with --ample-requests requests; --ample-for all measures it for every setting. Work units run in
+--workers processes (one engine each, one CPU thread each by default), longest first. Public API only for the
+throughput runs (the quality runs reuse bench/compression_quality.py).
+
+    python -m bench.pareto                # the whole sweep (tables, plots, reading -> docs/benchmarks.md)
+    python -m bench.pareto --quick        # a ~10-minute subset (|W| = 128, r = 0.2 / 0.5, three methods)
+    python -m bench.pareto --json runs.json --no-write ...; python -m bench.pareto --from-json runs.json ...
+    python -m bench.pareto --clock cpu    # ratios by each worker's CPU seconds, on a machine shared with others
 """
 from __future__ import annotations
 
@@ -72,8 +81,9 @@ def ample_units(args, quality: dict, runs: list[dict]) -> list[tuple]:
     the fronts of the pressured pools, the best within the quality bound, the engine default)."""
     if "ample" not in args.pools or args.ample_for == "all":
         return []
-    from bench.pareto_report import ample_candidates
+    from bench.pareto_report import ample_candidates, use_cpu_clock
 
+    runs = use_cpu_clock(runs) if args.clock == "cpu" else runs  # pick by the ratios the report will show
     return _groups(ample_candidates(settings_for(args), quality, runs, [p for p in args.pools if p != "ample"]),
                    ["ample"])
 
@@ -121,7 +131,8 @@ def run_unit(args, unit) -> tuple[tuple, object, float]:
     from bench.common import run_requests
 
     run_requests(eng, prompts[:2], SamplingParams(temperature=0, max_tokens=4), 2, prefix="warm")
-    runs = throughput_runs(eng, prompts, settings, out_len, str(pool), bracket=not args.no_bracket, progress=say)
+    runs = throughput_runs(eng, prompts, settings, out_len, str(pool), bracket=not args.no_bracket, progress=say,
+                           repeats=args.repeats)
     return ("throughput", window, str(pool)), runs, (time.perf_counter() - t0, time.process_time() - c0)
 
 
@@ -173,9 +184,13 @@ def main() -> None:
     ap.add_argument("--no-default", dest="with_default", action="store_false",
                     help="leave out the point of today's `--kv-compression kara` (engine defaults)")
     ap.add_argument("--no-bracket", action="store_true", help="measure none once per group, not before and after")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per setting and pool; the median by tok/s is kept")
     ap.add_argument("--workers", type=int, default=2, help="worker processes (one engine each)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--quick", action="store_true", help="a ~10-minute subset: " + json.dumps(QUICK))
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="tok/s by wall clock (serving throughput, default) or by each worker's CPU seconds (a "
+                         "machine shared with other work, where wall time swings with the load)")
     ap.add_argument("--json", help="also write the raw records here")
     ap.add_argument("--from-json", help="no runs: rebuild the report from records saved by --json (same flags)")
     ap.add_argument("--no-write", action="store_true")
@@ -187,6 +202,8 @@ def main() -> None:
     from bench.pareto_report import report
 
     t0 = time.perf_counter()
+    # the command that reproduces the numbers: the sweep's own flags, without the output-only ones
+    command = "python -m bench.pareto " + " ".join(_sweep_argv(sys.argv[1:]))
     if args.from_json:
         from bench.pareto_report import records_from_json
 
@@ -194,21 +211,36 @@ def main() -> None:
             saved = json.load(f)
         quality, runs, seconds = records_from_json(saved)
         total = saved.get("total", float("nan"))
+        command = saved.get("command", command)
+        if args.clock != "wall":
+            command += f" --clock {args.clock}"
     else:
         quality, runs, seconds = sweep(args)
         total = time.perf_counter() - t0
-    body, plots = report(args, quality, runs, seconds, total, write_plots=not args.no_write)
+    body, _ = report(args, quality, runs, seconds, total, write_plots=not args.no_write)
     print(body)
     if args.json:
         from bench.pareto_report import records_json
 
         with open(args.json, "w") as f:
-            json.dump({**records_json(quality, runs, seconds), "total": total}, f, indent=1)
+            json.dump({**records_json(quality, runs, seconds), "total": total, "command": command}, f, indent=1)
     if not args.no_write:
         from bench.common import write_section
 
-        write_section(SECTION, "python -m bench.pareto " + " ".join(sys.argv[1:]), body)
+        write_section(SECTION, command.strip(), body)
 
+
+def _sweep_argv(argv: list[str]) -> list[str]:
+    """argv without --json/--from-json PATH and --no-write (they change where results go, not the results)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--json", "--from-json"):
+            skip = True
+        elif a != "--no-write" and not a.startswith(("--json=", "--from-json=")):
+            out.append(a)
+    return out
 
 if __name__ == "__main__":
     main()

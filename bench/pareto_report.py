@@ -28,6 +28,21 @@ def by_pool(runs: list[dict]) -> dict[str, dict]:
     return out
 
 
+def use_cpu_clock(runs: list[dict]) -> list[dict]:
+    """Runs with their ratios recomputed from tokens per CPU second of the worker instead of per wall second (for
+    a machine shared with other work, where wall time swings with the load; on an idle core the two agree)."""
+    groups: dict[tuple, list[float]] = {}
+    for r in runs:
+        if r["setting"] is None:
+            groups.setdefault((r["pool"], r["output_len"]), []).append(r["num_requests"] * r["output_len"] / r["cpu"])
+    out = []
+    for r in runs:
+        ref = groups[(r["pool"], r["output_len"])]
+        tps = r["num_requests"] * r["output_len"] / r["cpu"]
+        out.append({**r, "tok_s": tps, "ratio": tps / (sum(ref) / len(ref)), "none_drift": ref[-1] / ref[0] - 1})
+    return out
+
+
 def points(settings, quality: dict, pool_runs: dict, axis: str = "d_text") -> list[Point]:
     """One Point per setting measured on this pool and in quality: cost = the NLL increase on ``axis``, gain =
     the throughput ratio to none."""
@@ -36,8 +51,10 @@ def points(settings, quality: dict, pool_runs: dict, axis: str = "d_text") -> li
 
 
 def holdback(best: Point | None, pts: list[Point], target: float, bound: float, run: dict | None,
-             none_batch: float | None) -> str:
-    """What keeps the best setting within the quality bound under ``target`` (empty when it meets it)."""
+             none_batch: float | None, ample: bool = False) -> str:
+    """What keeps the best setting within the quality bound under ``target`` (empty when it meets it): the
+    quality cost of the settings that do reach it, the concurrency it won (on a short pool), and the compression
+    and verification time it pays."""
     if best is None:
         return "no setting is within the quality bound"
     if best.gain >= target:
@@ -50,7 +67,10 @@ def holdback(best: Point | None, pts: list[Point], target: float, bound: float, 
                      f"({cheapest.name}; the bound is {bound:.4f})")
     else:
         parts.append(f"no setting reaches {target:g}x at any quality (fastest {max(p.gain for p in pts):.2f}x)")
-    if run is not None:
+    if run is not None and ample:
+        parts.append("every request runs at once at this pool with or without compression, so only the attention "
+                     "the shorter cache saves can pay for the time compression takes")
+    elif run is not None:
         cap = run["num_requests"]
         conc = f"mean running batch {run['mean_batch']:.1f} of {cap} requests"
         if none_batch is not None:
@@ -157,7 +177,7 @@ def plot_pool(settings, quality: dict, pool_runs: dict, pool: str, bound: float,
         if front:
             ax.step([p.cost for p in front], [p.gain for p in front], where="post", color="k", lw=1, label="front")
             for p in front:
-                ax.annotate(p.name.replace("|W|=", "W").replace(" r=", " r"), (p.cost, p.gain), fontsize=6,
+                ax.annotate(p.name.replace("W=", "W").replace(" r=", " r"), (p.cost, p.gain), fontsize=6,
                             xytext=(3, 3), textcoords="offset points")
         ax.axhline(1.0, color="gray", ls=":", lw=1)
         if axis == "d_text":
@@ -238,7 +258,7 @@ def targets_table(settings, quality: dict, per_pool: dict, pools: list[str], bou
         target = TARGETS.get(pool, 1.0)
         run = next((pr[s.key] for s in settings if best is not None and s.name == best.name), None)
         held = holdback(best, pts, target, bound, run,
-                        None if run is None else _none_batch(per_pool, pool, run["output_len"]))
+                        None if run is None else _none_batch(per_pool, pool, run["output_len"]), pool == "ample")
         cells = ("-", "-", "-") if best is None else (best.name, f"{best.gain:.2f}x",
                                                      f"{best.cost:+.4f} ({100 * best.cost / full:+.2f}%)")
         ok = best is not None and best.gain >= target
@@ -252,12 +272,32 @@ def targets_table(settings, quality: dict, per_pool: dict, pools: list[str], bou
               "|---|---|" + "---:|" * len(pools) + "---:|"]
     for label, s in (("recommended", bs), ("best Kara", ks), ("today's `--kv-compression kara`", dflt)):
         if s is None:
-            lines.append(f"| {label} | none qualifies |" + " |" * (len(pools) + 1))
+            why = "not in this sweep" if label.startswith("today") else "none qualifies"
+            lines.append(f"| {label} | {why} |" + " |" * (len(pools) + 1))
             continue
         q = quality.get(s.key)
         lines.append(f"| {label} | {s.name} | " + " | ".join(_fmt_ratio(per_pool.get(p, {}).get(s.key)) for p in pools)
                      + f" | {'-' if q is None else format(q['d_text'], '+.4f')} |")
+    lines += ["", reading_line(bs, bv, ks, kv, dflt, settings, quality, per_pool, bound, pools)]
     return "\n".join(lines)
+
+
+def reading_line(bs, bv, ks, kv, dflt, settings, quality, per_pool, bound, pools) -> str:
+    """One sentence naming the recommended setting and comparing the best Kara one with today's default."""
+    if bs is None:
+        return ("Reading: no setting is within the 1% text-NLL bound on every pressured pool without a regression "
+                "at the ample pool.")
+    out = (f"Reading: within a text-NLL cost of 1% of the full cache's, {bs.name} has the best geometric mean of "
+           f"its ratios on the pressured pools ({bv:.2f}).")
+    if ks is not None and dflt is not None and ks != dflt:
+        ranked = dict((s.name, v) for v, s in ranked_within(settings, quality, per_pool, bound, pools))
+        d = ranked.get(dflt.name)
+        out += (f" The best Kara setting, {ks.name} ({kv:.2f}), beats today's `--kv-compression kara` default "
+                + (f"({d:.2f})" if d is not None else "(not within the bound or not measured on every pool)")
+                + ": a candidate for the default.")
+    elif ks is not None and ks == dflt:
+        out += " Today's `--kv-compression kara` default is the best Kara setting."
+    return out
 
 
 def notes(args, runs: list[dict]) -> str:
@@ -267,12 +307,18 @@ def notes(args, runs: list[dict]) -> str:
              "only the settings on a front of the pressured pools, the best within the bound, the three best by the "
              "recommendation rule, the best Kara one and the engine default: the ample pool can only show a cost, "
              "and these are the settings one would pick")
-    return (f"{args.model} ({args.dtype}, CPU, {args.threads} thread(s) per worker, {args.workers} workers). "
+    clock = ("wall clock" if getattr(args, "clock", "wall") == "wall" else
+             "CPU seconds of each worker (--clock cpu: the machine was shared)")
+    return (f"{args.model} ({args.dtype}, CPU, {args.threads} thread(s) per worker, {args.workers} workers; tok/s "
+            f"and ratios by {clock}). "
             f"Throughput: {args.oversubscription:g} x N requests per run on the pool for N uncompressed sequences "
             f"(of the 32-token prompt + output), {args.ample_requests} on the ample pool ({ample}), all submitted at "
-            f"once, {args.output_per_window} x |W| new tokens each (greedy, ignore_eos), the offline engine's "
+            f"once, {args.output_per_window} x |W| new tokens each (greedy, ignore_eos), "
+            + (f"each setting {args.repeats} times (the median run by tok/s), " if getattr(args, "repeats", 1) > 1
+               else "") + f"the offline engine's "
             f"continuous batching (add_request + step); none runs before and after each (|W|, pool) group and the "
-            f"ratio's reference is their mean (its drift over the group: " + ", ".join(drift) + "). Settings: "
+            f"ratio's reference is their mean (its drift over the group: " + ", ".join(drift) + "). Settings (named "
+            f"'method W=|W| r=r'): "
             f"|U| = |W|/8, period |W| - |U|, Kara α = |W|/32, γ = 8 (4 at |W| < 256); every method keeps Kara's "
             f"⌈r·n⌉+α slots per window (compression_quality's equal-KV rule); query source auto; lossless: Kara "
             f"with `lossless: true`. Quality: {args.trials} compression_quality cases ({args.quality_tokens}-token "
@@ -292,6 +338,8 @@ def report(args, quality: dict, runs: list[dict], seconds: dict, total: float, w
 
     settings = settings_for(args)
     pools = [str(p) for p in args.pools]
+    if getattr(args, "clock", "wall") == "cpu":
+        runs = use_cpu_clock(runs)
     per_pool = by_pool(runs)
     bound = cost_bound(quality["none"]["text"])
     parts = [targets_table(settings, quality, per_pool, pools, bound), "",
