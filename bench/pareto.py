@@ -95,45 +95,51 @@ def _engine(args, blocks: int, max_len: int, num_seqs: int):
                   max_model_len=max_len, max_num_batched_tokens=2048, max_num_seqs=num_seqs, watermark=0.0)
 
 
-def run_unit(args, unit) -> tuple[tuple, object, float]:
+def run_unit(args, unit) -> tuple[tuple, object, tuple[float, float]]:
     """Runs in a worker process: builds its engine, returns (unit id, records, (wall, CPU) seconds)."""
-    import torch
+    from engine.threads import configure_threads
 
-    from bench.common import text_prompts
-    from bench.compression_quality import make_trials, spread_leads
-    from bench.pareto_runs import quality_runs, throughput_runs
-
-    torch.set_num_threads(args.threads)
+    configure_threads(args.threads)  # the wait policy came with the environment (main sets it before spawning)
     t0, c0 = time.perf_counter(), time.process_time()
     tag = unit[0] if unit[0] == "quality" else f"|W|={unit[1]} pool {unit[2]}"
     say = lambda msg: print(f"[{time.perf_counter() - t0:6.0f} s] {tag}: {msg}", file=sys.stderr, flush=True)  # noqa
     if unit[0] == "quality":
-        settings = unit[1]
-        region = min(s.window_fields()["window"] - s.window_fields()["buffer"] for s in settings)
-        cont = args.quality_tokens
-        seqs = min(args.batch_seqs, args.trials * (1 + len(settings)))
-        eng = _engine(args, seqs * -(-(32 + cont + 16) // 16) + 16, 32 + cont + 16, max(64, seqs))
-        # one set of cases for every |W|: the passage inside the first window of the smallest |W|, so every
-        # setting is scored on the same tokens and the full cache's NLL is one number
-        leads = spread_leads(args.trials, region, args.passage_len)
-        trials = make_trials(eng.tokenizer, args.trials, filler_len=cont - 2 * args.passage_len - max(leads),
-                             lead_len=leads, passage_len=args.passage_len, context_len=32)
-        res = quality_runs(eng, trials, settings, batch_seqs=args.batch_seqs, progress=say)
-        return ("quality",), res, (time.perf_counter() - t0, time.process_time() - c0)
-    _, window, pool, settings = unit
+        uid, res = ("quality",), _quality_unit(args, unit[1], say)
+    else:
+        _, window, pool, settings = unit
+        uid, res = ("throughput", window, str(pool)), _throughput_unit(args, window, str(pool), settings, say)
+    return uid, res, (time.perf_counter() - t0, time.process_time() - c0)
+
+
+def _quality_unit(args, settings, say) -> dict:
+    from bench.compression_quality import make_trials, spread_leads
+    from bench.pareto_runs import quality_runs
+
+    region = min(s.window_fields()["window"] - s.window_fields()["buffer"] for s in settings)
+    cont = args.quality_tokens
+    seqs = min(args.batch_seqs, args.trials * (1 + len(settings)))
+    eng = _engine(args, seqs * -(-(32 + cont + 16) // 16) + 16, 32 + cont + 16, max(64, seqs))
+    # one set of cases for every |W|: the passage inside the first window of the smallest |W|, so every setting
+    # is scored on the same tokens and the full cache's NLL is one number
+    leads = spread_leads(args.trials, region, args.passage_len)
+    trials = make_trials(eng.tokenizer, args.trials, filler_len=cont - 2 * args.passage_len - max(leads),
+                         lead_len=leads, passage_len=args.passage_len, context_len=32)
+    return quality_runs(eng, trials, settings, batch_seqs=args.batch_seqs, progress=say)
+
+
+def _throughput_unit(args, window: int, pool: str, settings, say) -> list[dict]:
+    from bench.common import run_requests, text_prompts
+    from bench.pareto_runs import throughput_runs
+    from engine import SamplingParams
+
     out_len = output_len(args, window)
     per_seq = -(-(32 + out_len) // 16)
     num = num_requests(args, pool)
-    blocks = per_seq * (num if pool == "ample" else int(pool))
-    eng = _engine(args, blocks, 32 + out_len + 1, num)
+    eng = _engine(args, per_seq * (num if pool == "ample" else int(pool)), 32 + out_len + 1, num)
     prompts = text_prompts(eng.tokenizer, num, 32)
-    from engine import SamplingParams
-    from bench.common import run_requests
-
     run_requests(eng, prompts[:2], SamplingParams(temperature=0, max_tokens=4), 2, prefix="warm")
-    runs = throughput_runs(eng, prompts, settings, out_len, str(pool), bracket=not args.no_bracket, progress=say,
+    return throughput_runs(eng, prompts, settings, out_len, pool, bracket=not args.no_bracket, progress=say,
                            repeats=args.repeats)
-    return ("throughput", window, str(pool)), runs, (time.perf_counter() - t0, time.process_time() - c0)
 
 
 def sweep(args) -> tuple[dict, list[dict], dict]:
@@ -199,6 +205,7 @@ def main() -> None:
         for k, v in QUICK.items():
             setattr(args, k, v)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by the workers, whose OpenMP starts fresh
     from bench.pareto_report import report
 
     t0 = time.perf_counter()

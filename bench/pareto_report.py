@@ -112,12 +112,12 @@ def main_table(settings, quality: dict, runs: dict, pools: list[str]) -> str:
             + " | compression share* | verification share* |")
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(pools) + "---:|---:|"]
     none_cells = []
-    for p in pools:
-        nn = [r for rs in runs.get(p, {}).get(None, {}).values() for r in rs]
-        none_cells.append(" / ".join(f"{r['tok_s']:.1f}" for r in nn) + " tok/s" + (
-            f" (batch {nn[0]['mean_batch']:.1f})" if nn else ""))
+    for p in pools:  # per output length: tok/s of the runs before / after the group, and the mean batch
+        groups = sorted(runs.get(p, {}).get(None, {}).items())
+        none_cells.append("; ".join(f"{n} tokens: " + " / ".join(f"{r['tok_s']:.1f}" for r in rs)
+                                    + f" tok/s ({rs[0]['mean_batch']:.1f})" for n, rs in groups) or "-")
     lines.append(f"| none (full cache: text NLL {full['text']:.4f}, recall {full['recall']:.3f}) | 0 | 0 | 0 | 0 "
-                 f"| all | - | " + " | ".join(none_cells) + " | - | - |")
+                 f"| - | - | " + " | ".join(none_cells) + " | - | - |")
     for s in settings:
         q = quality.get(s.key)
         if q is None:

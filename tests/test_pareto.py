@@ -258,3 +258,24 @@ def test_quality_over_two_window_groups(make_engine):
     # the full cache's NLL after the first round is taken over each setting's own tokens (|W| = 16 and 24 start
     # compressing at different tokens), so the two references differ
     assert a["late"] - a["d_late"] != pytest.approx(b["late"] - b["d_late"])
+
+
+def test_sweep_end_to_end_on_the_tiny_model(tiny_llama_dir):
+    """The CLI's own path, in process (one worker): quality and pressured-pool units, then the ample pool for the
+    settings `ample_candidates` picks, then the report."""
+    from bench.pareto import sweep
+    from bench.pareto_report import report
+
+    args = argparse.Namespace(model=str(tiny_llama_dir), dtype="float32", methods=["kara", "streaming"], windows=[16],
+                              ratios=[0.3], with_default=False, pools=["2", "ample"], oversubscription=2.0,
+                              ample_requests=2, ample_for="front", output_per_window=2, trials=1, quality_tokens=60,
+                              passage_len=6, batch_seqs=8, threads=1, workers=1, no_bracket=False, repeats=1,
+                              clock="wall")
+    quality, runs, seconds = sweep(args)
+    assert set(seconds) == {("quality",), ("throughput", 16, "2"), ("throughput", 16, "ample")}
+    measured = {(r["pool"], r["setting"].method) for r in runs if r["setting"] is not None}
+    assert {("2", "kara"), ("2", "streaming")} <= measured and any(p == "ample" for p, _ in measured)
+    assert all(r["num_requests"] == {"2": 4, "ample": 2}[r["pool"]] for r in runs)
+    body, _ = report(args, quality, runs, seconds, 1.0, write_plots=False)
+    assert "Pareto front, ample pool" in body
+    assert_tables_well_formed(body)
