@@ -114,9 +114,9 @@ def _one_run(engine, prompts, kv, output_len: int, prefix: str) -> tuple[list[li
         "tok_s": len(prompts) * output_len / wall, "wall": wall, "cpu": cpu,
         "mean_batch": sum(running) / max(1, len(running)),
         "preemptions": st.num_preemptions, "swapped": st.swapped_out_blocks, "recomputed": st.recomputed_tokens,
-        "comp_share": st.compression_seconds / max(st.engine_seconds, 1e-9),
+        "comp_share": st.compression.seconds / max(st.engine_seconds, 1e-9),
         "verify_share": st.lossless_verify_seconds / max(st.engine_seconds, 1e-9),
-        "tokens_seen": st.compression_tokens_seen,
+        "tokens_seen": st.compression.tokens_seen,
     }
 
 
