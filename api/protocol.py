@@ -92,17 +92,20 @@ class _SamplingFields(OpenAIBaseModel, StructuredFields):
     seed: Optional[int] = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
     temperature: Optional[float] = Field(None, ge=0, allow_inf_nan=False, description="Default 1.0; 0 is greedy.")
     top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
-    presence_penalty: Optional[float] = Field(0.0, ge=-2, le=2, allow_inf_nan=False,
-                                              description="Only 0 is supported.")
-    frequency_penalty: Optional[float] = Field(0.0, ge=-2, le=2, allow_inf_nan=False,
-                                               description="Only 0 is supported.")
-    logit_bias: Optional[dict[str, float]] = Field(None, description="Not supported (must be empty).")
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False,
+                                              description="Minus this for every token already in the output.")
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False,
+                                               description="Minus this times the token's count in the output.")
+    logit_bias: Optional[dict[str, float]] = Field(None, description="Token id -> bias added to its logit (±100).")
     user: Optional[str] = None
     # vLLM sampling extras
     top_k: Optional[int] = Field(None, ge=-1, description="0 or -1 disables top-k.")
-    min_p: Optional[float] = Field(None, ge=0, le=1, allow_inf_nan=False, description="Only 0 is supported.")
-    repetition_penalty: Optional[float] = Field(None, gt=0, allow_inf_nan=False,
-                                                description="Only 1 is supported.")
+    min_p: Optional[float] = Field(None, ge=0, le=1, allow_inf_nan=False,
+                                   description="Drop tokens less probable than min_p x the most probable one.")
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=2, allow_inf_nan=False,
+                                                description="Prompt and output tokens: positive logits / it, "
+                                                            "negative x it.")
+    prompt_logprobs: Optional[int] = Field(None, ge=0, description="Top logprobs of every prompt token.")
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: Optional[list[TokenId]] = None

@@ -29,12 +29,24 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob of a prompt position's entry."""
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+#: per prompt position: None (the first) or {token id: its logprob}, the prompt's own token first
+PromptLogprobs = Optional[list[Optional[dict[str, PromptLogprob]]]]
+
+
 class CompletionResponseChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: PromptLogprobs = None  # with the request's prompt_logprobs (vLLM)
 
 
 class CompletionResponse(BaseModel):
@@ -87,7 +99,7 @@ class ChatCompletionResponseChoice(BaseModel):
 
 
 class ChatCompletionResponse(OmitNone):
-    _omit_none = ("prompt_text",)
+    _omit_none = ("prompt_text", "prompt_logprobs")
     id: str = Field(default_factory=lambda: f"chatcmpl-{random_uuid()}")
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -95,6 +107,7 @@ class ChatCompletionResponse(OmitNone):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_text: Optional[str] = None  # the templated prompt, with return_prompt_text (vLLM)
+    prompt_logprobs: PromptLogprobs = None  # with the request's prompt_logprobs (vLLM)
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):

@@ -37,7 +37,7 @@ BAD = [  # (body changes, endpoint) that must give a 400
     ({"prompt": [1, 2, 10 ** 9]}, "c"), ({"logprobs": 99}, "c"), ({"kv_compression": {"method": "zip"}}, "c"),
     ({"kv_compression": {"ratio": 3}}, "c"), ({"kv_compression": {"window": 8, "buffer": 16}}, "c"),
     ({"kv_compression": {"method": "kara", "bogus": 1}}, "c"), ({"seed": 2 ** 80}, "c"),
-    ({"presence_penalty": 1.0}, "c"), ({"stream_options": {"include_usage": True}}, "c"),
+    ({"presence_penalty": 3.0}, "c"), ({"stream_options": {"include_usage": True}}, "c"),
     ({"messages": []}, "chat"), ({"top_logprobs": 3}, "chat"), ({"tools": [{"type": "function"}]}, "chat"),
     ({"max_tokens": 10 ** 6}, "c"),
 ]

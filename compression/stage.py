@@ -172,7 +172,7 @@ class CompressionStage:
     def _ready(seq: Sequence) -> bool:
         """Compression on, no unverified slot in its cache (lossless drafts), not in the middle of its prefill."""
         return (seq.compression is not None and not seq.kv_frozen
-                and (seq.num_pending_tokens <= 1 or seq.scoring is not None))
+                and (seq.num_pending_tokens <= 1 or (seq.scoring is not None and seq.scoring.decode_like)))
 
     def after_step(self, running: list[Sequence], kv: KVManager, queries: QueryFn) -> list[tuple[Any, BaseException]]:
         """Run whatever compression is due after a model step; returns the sequences whose own part failed."""

@@ -150,9 +150,13 @@ class EngineCore:
         slots = self.kv.pool.num_blocks * self.kv.block_size
         if params.n > slots:
             raise InvalidRequestError(f"n must be <= {slots} (the KV pool's token slots), got {params.n}", "n")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise InvalidRequestError(f"logprobs must be <= {vocab} (the vocabulary), got {params.logprobs}",
-                                      "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise InvalidRequestError(f"{name} must be <= {vocab} (the vocabulary), got {value}", name)
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {vocab}), got {bad[:4]}", "logit_bias")
         if params.min_tokens > self.max_model_len:
             raise InvalidRequestError(f"min_tokens must be <= {self.max_model_len} (max_model_len), got "
                                       f"{params.min_tokens}", "min_tokens")
@@ -186,6 +190,9 @@ class EngineCore:
         for i in range(params.n):
             gen = torch.Generator().manual_seed(params.seed + i) if params.seed is not None else None
             scoring = ScoringState(*score) if score is not None else None
+            if scoring is None and params.prompt_logprobs is not None:  # the whole prompt, in ordinary chunks
+                scoring = ScoringState(1, self.config.max_num_batched_tokens, decode_like=False,
+                                       top_n=params.prompt_logprobs)
             seq = Sequence(request_id, ids, params, index=i, generator=gen, scoring=scoring)
             seq.compression = self.stage.new_state(cfg, len(ids), score[0] if score is not None else None)
             seqs.append(seq)

@@ -172,7 +172,7 @@ class LosslessController:
         for i in rows:
             seq, p = seqs[i], seqs[i].params
             row = logits[i:i + 1]
-            self.sampler.ban(row, [self.sampler.banned(seq, seq.num_outputs + len(seq.draft_token_ids))])
+            self.sampler.process(row, [seq], [seq.output_token_ids + seq.draft_token_ids])
             q = sampling_probs(row, [p])[0]
             token = int(q.argmax()) if p.greedy else draw(q, seq.generator or self.sampler.default_generator)
             seq.draft_token_ids.append(token)
@@ -215,7 +215,9 @@ class LosslessController:
 
     def _accept(self, seq, drafts: list[int], start: int, rows: torch.Tensor, queries: torch.Tensor | None) -> None:
         p, ls = seq.params, seq.lossless
-        self.sampler.ban(rows, [self.sampler.banned(seq, seq.num_outputs + j) for j in range(rows.shape[0])])
+        # row j stands after the committed outputs and the first j drafts
+        self.sampler.process(rows, [seq] * rows.shape[0],
+                             [seq.output_token_ids + drafts[:j] for j in range(rows.shape[0])])
         target = sampling_probs(rows, [p] * rows.shape[0])
         committed = accept(drafts, target, None if p.greedy else ls.draft_probs,
                            seq.generator or self.sampler.default_generator)

@@ -26,8 +26,9 @@ class StepResult:
     seconds: float = 0.0  # its wall time
     sample_seqs: list[Sequence] = field(default_factory=list)
     logits: torch.Tensor | None = None  # float32 [len(sample_seqs), V]: next-token logits
-    # Teacher-forced scoring: per sequence, log p(token[t] | tokens[:t]) for the positions this step covered.
-    scored: list[tuple[Sequence, list[float]]] = field(default_factory=list)
+    # Teacher-forced scoring: per sequence, log p(token[t] | tokens[:t]) for the positions this step covered, and
+    # (prompt_logprobs) the top_n most probable tokens of each of them
+    scored: list[tuple[Sequence, list[float], list[dict[int, float]]]] = field(default_factory=list)
     # query_source="cache": (sequence, first logical position, post-RoPE queries [L, n, Hq, D]) of its new tokens
     captured: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
@@ -115,9 +116,10 @@ class ModelRunner:
                 first = max(start, sc.score_from - 1, sc.score_from - 1 + len(sc.prompt_logprobs))
                 last = min(start + n, seq.num_prompt_tokens - 1)
                 rows = list(range(row0 + first - start, row0 + last - start))
-                plan.score_rows.extend(rows)
-                ctx.score_targets.extend(seq.prompt_token_ids[first + 1:last + 1])
-                ctx.score_spans.append((seq, len(rows)))
+                if rows:  # (none once the prompt is done: a prompt_logprobs request then decodes as usual)
+                    plan.score_rows.extend(rows)
+                    ctx.score_targets.extend(seq.prompt_token_ids[first + 1:last + 1])
+                    ctx.score_spans.append((seq, len(rows)))
             if item.completes_prefill:
                 plan.sample_rows.append(len(plan.input_ids) - 1)
                 ctx.sample_seqs.append(seq)
@@ -159,10 +161,18 @@ class ModelRunner:
         result.captured = [(seq, first, q) for (seq, first), q in zip(ctx.captures, out.captured, strict=True)]
         if ctx.score_spans:
             targets = torch.tensor(ctx.score_targets, device=self.device)
-            logp = out.score_logits.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            all_logp = out.score_logits.log_softmax(-1)
+            logp = all_logp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            top_n = max(seq.scoring.top_n for seq, _ in ctx.score_spans)
+            vals, ids = (all_logp.topk(top_n, dim=-1) if top_n else (all_logp[:, :0], targets[:, None][:, :0]))
+            vals, ids = vals.tolist(), ids.tolist()
+            # with top logprobs, each prompt token's rank in the vocabulary too (vLLM reports it)
+            ranks = ((all_logp > all_logp.gather(1, targets.unsqueeze(1))).sum(-1) + 1).tolist() if top_n else None
             k = 0
             for seq, count in ctx.score_spans:
-                result.scored.append((seq, logp[k:k + count]))
+                n = seq.scoring.top_n
+                tops = [(dict(zip(ids[r][:n], vals[r][:n])), ranks[r]) for r in range(k, k + count)] if n else []
+                result.scored.append((seq, logp[k:k + count], tops))
                 k += count
         return result
 

@@ -25,12 +25,13 @@ class OutputProcessor:
         self.finish = finish  # the scheduler's: a finished sequence gives its blocks back
 
     # -- the step's results -------------------------------------------------------------------------------
-    def update_from_output(self, scored: list[tuple[Sequence, list[float]]],
+    def update_from_output(self, scored: list[tuple[Sequence, list[float], list[dict[int, float]]]],
                            tokens: list[tuple[Sequence, int, tuple | None]]) -> list[tuple[Sequence, BaseException]]:
         """Teacher-forced scores and sampled tokens to their sequences; returns the sequences whose own output
         processing failed (their requests end alone)."""
-        for seq, logps in scored:
+        for seq, logps, tops in scored:
             seq.scoring.prompt_logprobs.extend(logps)
+            seq.scoring.prompt_top.extend(tops)
         failed = []
         for seq, token, logprob in tokens:
             try:
@@ -152,7 +153,12 @@ class OutputProcessor:
                                  time.monotonic() if req.finished else None,
                                  sum(s.num_preemptions for s in req.seqs), min(scheduled, default=None))
         scoring = req.seqs[0].scoring
+        prompt_logprobs = None
+        if scoring is not None:  # Engine.score: floats; a request's prompt_logprobs: vLLM's per-position dicts
+            prompt_logprobs = (list(scoring.prompt_logprobs) if scoring.decode_like else
+                               [None] + [({req.prompt_token_ids[t + 1]: lp, **top}, rank) for t, (lp, (top, rank))
+                                         in enumerate(zip(scoring.prompt_logprobs, scoring.prompt_top))])
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
                              [self.completion(s, delta) for s in req.seqs], req.finished, metrics,
-                             prompt_logprobs=list(scoring.prompt_logprobs) if scoring is not None else None,
+                             prompt_logprobs=prompt_logprobs,
                              num_cached_tokens=req.seqs[0].num_cached_tokens)

@@ -39,7 +39,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    prompt_logprobs: list[float | None] | None = None  # teacher-forced scoring results
+    # Engine.score: log p of every scored token; a request's prompt_logprobs: per prompt position None (the first) or
+    # ({token id: logprob}, the prompt token's rank): the prompt token first, then the top ones
+    prompt_logprobs: list | None = None
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 

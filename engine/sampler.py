@@ -1,4 +1,6 @@
-"""Turns the last-position logits of a batch into next tokens: greedy, temperature, top-k, top-p, seeds."""
+"""Turns the last-position logits of a batch into next tokens: the request's logits processors
+(engine/logits_processors.py: min_tokens bans, logit_bias, penalties), then greedy, or temperature, min-p, top-k,
+top-p and an inverse-CDF draw from the request's own generator (vLLM's order)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,14 +9,16 @@ from typing import Any, Callable
 import torch
 
 from engine.errors import RequestFailedError
+from engine.logits_processors import process
 from engine.sampling_params import SamplingParams
 
 
-def apply_min_tokens(logits: torch.Tensor, banned: list[list[int]]) -> None:
-    """Mask EOS / stop tokens of rows that have not reached min_tokens yet (in place)."""
-    for row, ids in enumerate(banned):
-        if ids:
-            logits[row, ids] = float("-inf")
+def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """min-p on temperature-scaled logits [B, V]: tokens less probable than min_p x the most probable one go."""
+    if not bool((min_p > 0).any()):
+        return x
+    probs = x.softmax(dim=-1)
+    return x.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, float("-inf"))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -28,6 +32,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         return tokens
     idx = torch.tensor(rows, device=logits.device)
     x = logits[idx] / torch.tensor([params[i].temperature for i in rows], device=logits.device).unsqueeze(1)
+    x = _min_p(x, torch.tensor([params[i].min_p for i in rows], device=x.device, dtype=x.dtype))
     sorted_logits, order = x.sort(dim=-1, descending=True)
     vocab = x.shape[-1]
     top_k = torch.tensor([params[i].top_k or vocab for i in rows], device=x.device).clamp(max=vocab)
@@ -58,7 +63,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> tu
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution each row samples from, [B, V] float32: one-hot on the argmax for greedy rows, otherwise the
-    temperature-scaled softmax restricted to top-k and top-p (the same rule as `sample`). Lossless mode's
+    temperature-scaled softmax restricted by min-p, top-k and top-p (the same rule as `sample`). Lossless mode's
     speculative-sampling acceptance compares these for the draft (compressed cache) and the target (full cache)."""
     out = torch.zeros_like(logits, dtype=torch.float32)
     vocab = logits.shape[-1]
@@ -66,7 +71,7 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         if p.greedy:
             out[row, logits[row].argmax()] = 1.0
             continue
-        x = logits[row].float() / p.temperature
+        x = _min_p((logits[row].float() / p.temperature).unsqueeze(0), torch.tensor([float(p.min_p)]))[0]
         sorted_x, order = x.sort(descending=True)
         k = min(p.top_k or vocab, vocab)
         sorted_x[k:] = float("-inf")
@@ -110,15 +115,26 @@ class Sampler:
             return []
         return p.stop_token_ids + ([] if p.ignore_eos else sorted(self.eos_token_ids))
 
-    @staticmethod
-    def ban(logits: torch.Tensor, banned: list[list[int]]) -> None:
-        apply_min_tokens(logits, banned)
+    def process(self, logits: torch.Tensor, seqs: list, outputs: list[list[int]]) -> None:
+        """The requests' logits processors (min_tokens bans, logit_bias, penalties) for rows whose sequences stand
+        after `outputs` (their committed outputs, and drafts for lossless rows), in place."""
+        process(logits, [s.params for s in seqs], [s.prompt_token_ids for s in seqs], outputs,
+                [self.banned(s, len(out)) for s, out in zip(seqs, outputs)])
 
     def sample(self, seqs: list, logits: torch.Tensor | None) -> Sampled:
         out = Sampled()
         if not seqs:
             return out
-        self.ban(logits, [self.banned(seq, seq.num_outputs) for seq in seqs])
+        try:  # on a copy: a failure half-way must leave the rows unprocessed for the per-row retry
+            processed = logits.clone()
+            self.process(processed, seqs, [s.output_token_ids for s in seqs])
+            logits.copy_(processed)
+        except Exception:  # find whose settings failed: only those requests end
+            for i, seq in enumerate(seqs):
+                try:
+                    self.process(logits[i:i + 1], [seq], [seq.output_token_ids])
+                except Exception as err:
+                    out.failed.append((seq, RequestFailedError("processing its logits", err)))
         self.structured.mask(seqs, logits)
         if self.side_signals is not None:
             out.failed += [(seq, RequestFailedError("recording its sampling entropy", err))

@@ -21,7 +21,14 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: just the sampled one)
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (0: just the prompt's own); None: none
     skip_special_tokens: bool = True
+    # vLLM's penalties and filters (engine/logits_processors.py, engine/sampler.py)
+    presence_penalty: float = 0.0  # [-2, 2]: minus this once for every token already in the output
+    frequency_penalty: float = 0.0  # [-2, 2]: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # (0, 2]: a token of the prompt or output: positive logit / it, negative x it
+    min_p: float = 0.0  # [0, 1]: tokens less probable than min_p x the most probable one are dropped
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias added to its logit, clamped to ±100
     # KV compression for this request: None uses the engine's setting; "none" disables; a method name, a dict of
     # fields or a compression.KVCompressionConfig overrides it (omitted fields keep the engine's values).
     kv_compression: Any = None
@@ -53,8 +60,18 @@ class SamplingParams:
             bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):  # the engine bounds them by the vocabulary
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                bad(name, f"must be an integer >= 0, got {value!r}")
+        for name, lo, hi, lo_open in (("presence_penalty", -2.0, 2.0, False), ("frequency_penalty", -2.0, 2.0, False),
+                                      ("repetition_penalty", 0.0, 2.0, True), ("min_p", 0.0, 1.0, False)):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi
+                    or (lo_open and value == lo)):
+                bad(name, f"must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value!r}")
+            setattr(self, name, float(value))
+        self.logit_bias = _check_logit_bias(self.logit_bias)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(isinstance(s, str) and s for s in stop):
             bad("stop", f"must be a non-empty string or a list of them, got {self.stop!r}")
@@ -71,6 +88,30 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _check_logit_bias(value: Any) -> dict[int, float] | None:
+    """{token id: bias}: ids as ints (JSON keys arrive as strings), biases clamped to [-100, 100] as in vLLM."""
+    if not value:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"logit_bias must be an object of token id: bias, got {value!r}", "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        try:
+            tid = int(key)
+        except (TypeError, ValueError):
+            tid = -1
+        if tid < 0 or isinstance(key, bool) or isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or bias != bias:
+            raise InvalidRequestError(f"logit_bias must map token ids (integers >= 0) to numbers, got "
+                                      f"{key!r}: {bias!r}", "logit_bias")
+        out[tid] = min(100.0, max(-100.0, float(bias)))
+    return out
 
 
 def _check_compression(value: Any) -> Any:

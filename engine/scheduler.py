@@ -170,7 +170,7 @@ class Scheduler:
     def _chunk(seq: Sequence, budget: int, computed: int) -> int:
         """Tokens to run this step for a sequence with `computed` tokens in its cache."""
         n = min(seq.num_tokens - computed, budget)
-        if seq.scoring is not None:  # teacher-forced scoring: small chunks past score_from
+        if seq.scoring is not None and seq.scoring.decode_like:  # Engine.score: small chunks past score_from
             start = seq.scoring.score_from
             n = min(n, start - computed) if computed < start else min(n, seq.scoring.max_chunk)
         return n

@@ -32,11 +32,17 @@ class SequenceStatus(enum.Enum):
 
 @dataclass
 class ScoringState:
-    """Teacher-forced scoring: log p(prompt[t] | prompt[:t]) is collected for t >= score_from, and the prompt is
-    fed at most `max_chunk` tokens per step so compression acts on it as it would while decoding."""
+    """Teacher-forced scoring: log p(prompt[t] | prompt[:t]) is collected for t >= score_from. `Engine.score` feeds
+    the prompt at most `max_chunk` tokens per step past score_from so compression acts on it as it would while
+    decoding (`decode_like`); a request's `prompt_logprobs` scores the whole prompt in ordinary chunks and also keeps
+    the `top_n` most probable tokens of each position."""
     score_from: int
     max_chunk: int
+    decode_like: bool = True
+    top_n: int = 0
     prompt_logprobs: list[float] = field(default_factory=list)
+    # with top_n, per position: ({token id: logprob} of the top_n, the prompt token's rank in the vocabulary)
+    prompt_top: list[tuple[dict[int, float], int]] = field(default_factory=list)
 
 
 @dataclass

@@ -151,6 +151,7 @@ class ChatServing(Serving):
                 finish_reason=self.plan.finish_reason(reader.made_calls, c.finish_reason),
                 stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=self.rid, model=self.model, choices=choices, usage=usage,
+                                      prompt_logprobs=self.prompt_logprobs.get(0),
                                       prompt_text=self.prompt_text)
 
     def chunk(self, g, o, usage) -> ChatCompletionStreamResponse | None:

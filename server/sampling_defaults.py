@@ -6,14 +6,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from api.sampling import OPTIONAL_SAMPLING_FIELDS, sampler_supports
 from engine.generation_config import sampling_defaults
 
 logger = logging.getLogger("kvllm.server")
-
-#: the value of each optional field that changes nothing (so a default of it needs no support)
-_NEUTRAL = {"min_p": 0, "repetition_penalty": 1}
-
 
 def model_sampling_defaults(engine: Any, generation_config: str) -> dict[str, Any]:
     """{SamplingParams field: default} for `engine`'s model under `generation_config` ('auto', 'vllm', a folder)."""
@@ -24,9 +19,4 @@ def model_sampling_defaults(engine: Any, generation_config: str) -> dict[str, An
         logger.warning("Default sampling parameters have been overridden by the model's Hugging Face generation "
                        "config (%s); start with `--generation-config vllm` for kvllm's built-in defaults", origin)
         logger.info("Using default chat and completion sampling params from %s: %s", origin, defaults)
-    unsupported = {k: defaults[k] for k in OPTIONAL_SAMPLING_FIELDS
-                   if k in defaults and defaults[k] != _NEUTRAL[k] and not sampler_supports(k)}
-    if unsupported:
-        logger.warning("The generation config sets %s, which kvllm's sampler does not support yet: requests run "
-                       "without them", unsupported)
     return defaults

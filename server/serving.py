@@ -189,6 +189,7 @@ class Serving:
     def __init__(self, state: ServerState, body: Any, model: str, rid: str, gens: list[Gen], admission: Admission):
         self.state, self.body, self.model, self.rid = state, body, model, rid
         self.gens, self.admission = gens, admission
+        self.prompt_logprobs: dict[int, list] = {}  # per prompt, with the request's prompt_logprobs
         self.created = int(time.time())
 
     def choice_index(self, g: Gen, o: Any) -> int:
@@ -217,6 +218,8 @@ class Serving:
         try:
             async with contextlib.aclosing(_iterate(self.gens)) as it:
                 async for g, out in it:
+                    if out.prompt_logprobs is not None:
+                        self.prompt_logprobs[g.prompt_index] = self.state.prompt_logprobs(out.prompt_logprobs)
                     for o in out.outputs:
                         choices.setdefault(self.choice_index(g, o), (g, _Choice()))[1].add(o)
         except Exception as err:
@@ -278,7 +281,8 @@ class CompletionServing(Serving):
             prefix = g.prompt_text or ""
             lp, _ = self.state.completion_logprobs(c.token_ids, c.logprobs, len(prefix))
             choices.append(CompletionResponseChoice(index=idx, text=prefix + "".join(c.text), logprobs=lp,
-                                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                    prompt_logprobs=self.prompt_logprobs.get(g.prompt_index)))
         return CompletionResponse(id=self.rid, model=self.model, choices=choices, usage=usage)
 
     def chunk(self, g, o, usage) -> CompletionStreamResponse:

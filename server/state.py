@@ -113,6 +113,21 @@ class ServerState:
                 self._token_cache[token_id] = s
         return s
 
+    def prompt_logprobs(self, entries: list) -> list:
+        """vLLM's prompt_logprobs: per position None (the first) or {token id: {logprob, rank, decoded_token}}, the
+        prompt's own token first (its rank in the vocabulary), then the most probable ones (ranks 1, 2, ...)."""
+        out: list = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            logps, rank = e
+            own = next(iter(logps))
+            by_rank = {t: r for r, t in enumerate(sorted(logps, key=lambda t: -logps[t]), 1)}
+            out.append({str(t): {"logprob": clamp_logprob(v), "rank": rank if t == own else by_rank[t],
+                                 "decoded_token": self.token_str(t)} for t, v in logps.items()})
+        return out
+
     def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None,
                             offset: int) -> tuple[CompletionLogProbs | None, int]:
         if logprobs is None:

@@ -4,7 +4,6 @@ generation_config.json files (and transformers' own reading of them), Jinja2 ren
 the SamplingParams the engine receives, and seeded sampling with the same parameters given explicitly."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import shutil
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from api.protocol import ChatCompletionRequest, CompletionRequest, RequestError
-from api.sampling import sampler_supports, to_sampling_params
+from api.sampling import to_sampling_params
 from engine.chat_template import load_chat_template
 from engine.generation_config import sampling_defaults
 from server.config import ServerConfig
@@ -114,22 +113,10 @@ def test_to_sampling_params_order_request_then_default_then_builtin():
     assert err.value.param == "min_tokens"
 
 
-def test_min_p_and_repetition_penalty_defaults_reach_a_sampler_that_has_them(monkeypatch):
-    """Until the sampler has min_p / repetition_penalty their defaults are carried but not passed (the server warns
-    at startup); once SamplingParams has the fields, the defaults and request values reach it."""
-    import engine.sampling_params as sp
-
+def test_min_p_and_repetition_penalty_defaults_reach_the_sampler():
+    """The generation config's min_p and repetition_penalty are defaults like the others: a request's own value
+    wins, then the default, then the built-in neutral value."""
     defaults = {**GEN_DEFAULTS, "min_p": 0.05, "repetition_penalty": 1.1}
-    p = to_sampling_params(CompletionRequest(prompt="x"), defaults=defaults)  # accepted whatever the sampler has
-    for name in ("min_p", "repetition_penalty"):
-        assert getattr(p, name, None) == (defaults[name] if sampler_supports(name) else None)
-
-    @dataclasses.dataclass
-    class WithPenalties(sp.SamplingParams):
-        min_p: float = 0.0
-        repetition_penalty: float = 1.0
-
-    monkeypatch.setattr(sp, "SamplingParams", WithPenalties)
     p = to_sampling_params(CompletionRequest(prompt="x"), defaults=defaults)
     assert (p.min_p, p.repetition_penalty) == (0.05, 1.1)
     p = to_sampling_params(CompletionRequest(prompt="x", min_p=0.2, repetition_penalty=1.3), defaults=defaults)
@@ -138,7 +125,7 @@ def test_min_p_and_repetition_penalty_defaults_reach_a_sampler_that_has_them(mon
     assert (p.min_p, p.repetition_penalty) == (0.0, 1.0)
 
 
-def test_unsupported_defaults_are_reported_at_startup(caplog, gen_engine, tmp_path):
+def test_penalty_defaults_are_logged_at_startup(caplog, gen_engine, tmp_path):
     folder = tmp_path / "penalties"
     folder.mkdir()
     (folder / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.1, "min_p": 0.0}))
@@ -148,10 +135,7 @@ def test_unsupported_defaults_are_reported_at_startup(caplog, gen_engine, tmp_pa
         state = build_app(gen_engine, generation_config=str(folder)).state.kvllm
     assert state.sampling_defaults == {"repetition_penalty": 1.1, "min_p": 0.0}
     assert "Default sampling parameters have been overridden" in caplog.text
-    unsupported = [r.getMessage() for r in caplog.records if "does not support yet" in r.getMessage()]
-    if not sampler_supports("repetition_penalty"):
-        assert len(unsupported) == 1 and "'repetition_penalty': 1.1" in unsupported[0]
-        assert "min_p" not in unsupported[0]  # 0 changes nothing: no warning for it
+    assert "'repetition_penalty': 1.1" in caplog.text
 
 
 def test_server_applies_the_models_generation_config(gen_engine, caplog):

@@ -37,11 +37,6 @@ def _tighten(schema: dict) -> dict:
 
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = comps[name]["properties"]
-        # pin sampling options kvllm rejects as unsupported (tests/test_server_errors.py covers those) to
-        # their supported values, so that more generated requests reach the engine
-        for key, value in (("presence_penalty", 0), ("frequency_penalty", 0), ("min_p", 0),
-                           ("repetition_penalty", 1)):
-            props[key] = {"anyOf": [{"type": "number", "enum": [value]}, {"type": "null"}]}
         # structured outputs have their own tests (tests/test_structured_outputs_server.py); random grammars would
         # only measure the grammar compiler here
         for key in ("logit_bias", "suffix", "best_of", "tools", "response_format", "structured_outputs",
