@@ -245,7 +245,11 @@ class EngineConfig:
 
     def ignored_settings(self) -> list[str]:
         """vLLM settings given that mean nothing here (one startup warning each)."""
-        return ["enforce_eager: kvllm always runs eagerly (CUDA graphs are not wired)"] if self.enforce_eager else []
+        out = ["enforce_eager: kvllm always runs eagerly (CUDA graphs are not wired)"] if self.enforce_eager else []
+        if self.gpu_memory_utilization != 0.9 and self.resolve_device().type != "cuda":
+            out.append("gpu_memory_utilization: it sizes the KV pool on CUDA only; on CPU the pool is "
+                       "$VLLM_CPU_KVCACHE_SPACE GiB (vLLM's CPU convention) or --kv-cache-memory")
+        return out
 
     def model_source(self) -> ModelSource:
         """The model, its tokenizer and where their files come from (Hub ids are resolved by `ModelSource.resolve`)."""

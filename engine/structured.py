@@ -37,9 +37,34 @@ __all__ = ["StructuredOutputs", "StructuredOutputsParams", "GrammarState", "appl
 
 @dataclass(eq=False)
 class GrammarState:
-    """One sequence's matcher and how many of its output tokens it has accepted."""
+    """One sequence's matcher and how many of its output tokens it has accepted. With ``after`` (a reasoning end
+    marker's token ids) the grammar starts at output index ``start``, just past the marker's first occurrence;
+    until then (``start`` None) the sequence samples freely."""
     matcher: Any
     num_accepted: int = 0
+    after: tuple[int, ...] | None = None
+    start: int | None = 0
+
+    def __post_init__(self) -> None:
+        self._scanned = 0  # output tokens already searched for the marker
+        if self.after is not None:
+            self.start = None
+
+    def find_start(self, outputs: list[int]) -> int | None:
+        """Where the grammar starts in ``outputs`` (None: the marker is not there yet). Outputs that shrank
+        below a found start (never in normal operation) reset the matcher."""
+        if self.start is not None and self.start > len(outputs):
+            if self.num_accepted:
+                self.matcher.rollback(self.num_accepted)
+            self.num_accepted, self.start, self._scanned = 0, None, 0
+        if self.start is None:
+            n, first = len(self.after), max(0, min(self._scanned, len(outputs)) - len(self.after) + 1)
+            for i in range(first, len(outputs) - n + 1):
+                if outputs[i] == self.after[0] and tuple(outputs[i:i + n]) == self.after:
+                    self.start = i + n
+                    break
+            self._scanned = len(outputs)
+        return self.start
 
     @property
     def done(self) -> bool:
@@ -118,7 +143,7 @@ class StructuredOutputs:
         compiled = self.compile(so)
         xgr = self._xgr()
         for seq in seqs:
-            seq.structured = GrammarState(xgr.GrammarMatcher(compiled))
+            seq.structured = GrammarState(xgr.GrammarMatcher(compiled), after=so.after)
 
     # -- the step -----------------------------------------------------------------------------------------
     def _buffer(self, rows: int) -> torch.Tensor:
@@ -131,7 +156,8 @@ class StructuredOutputs:
         """Set the logits of tokens each constrained row's grammar forbids to -inf, in place: one batched fill
         of the rows' bitmasks, then `apply_bitmask` over those rows. A row the grammar forces to a token banned
         elsewhere (EOS before min_tokens) gets the grammar's tokens back: the grammar wins."""
-        rows = [i for i, s in enumerate(seqs) if s.structured is not None]
+        rows = [i for i, s in enumerate(seqs)
+                if s.structured is not None and s.structured.find_start(s.output_token_ids) is not None]
         if not rows:
             return
         t0 = time.perf_counter()
@@ -153,6 +179,9 @@ class StructuredOutputs:
         st = seq.structured
         if st is None:
             return
+        start = st.find_start(seq.output_token_ids)
+        if start is None or start >= seq.num_outputs:
+            return  # still reasoning, or this token completed the end marker: the grammar starts after it
         t0 = time.perf_counter()
         sync(seq, upto=seq.num_outputs - 1)
         if not st.matcher.accept_token(token):
@@ -163,15 +192,18 @@ class StructuredOutputs:
 
 
 def sync(seq: Sequence, upto: int | None = None) -> None:
-    """Bring the matcher to the sequence's first `upto` output tokens (default: all): roll back what is no longer
+    """Bring the matcher to the sequence's first `upto` output tokens past its start (default: all): roll back what is no longer
     there, accept what is new. A no-op while the two agree, which is the normal case."""
     st = seq.structured
-    target = seq.num_outputs if upto is None else upto
+    start = st.find_start(seq.output_token_ids)
+    if start is None:
+        return
+    target = max(0, (seq.num_outputs if upto is None else upto) - start)
     if st.num_accepted > target:
         st.matcher.rollback(st.num_accepted - target)
         st.num_accepted = target
     while st.num_accepted < target:
-        if not st.matcher.accept_token(seq.output_token_ids[st.num_accepted]):
+        if not st.matcher.accept_token(seq.output_token_ids[start + st.num_accepted]):
             raise RuntimeError(f"structured outputs: request {seq.request_id}'s outputs left its grammar")
         st.num_accepted += 1
 

@@ -24,6 +24,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False  # JSON: no whitespace outside strings (compact separators)
     whitespace_pattern: str | None = None  # not supported by xgrammar: rejected
     param: str | None = None  # the request field this came from; errors name it
+    # Set by the server, not by requests: the grammar applies only after the output contains these tokens (the
+    # reasoning parser's end marker), as vLLM starts structured outputs where the reasoning ends.
+    after: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -57,6 +60,12 @@ class StructuredOutputsParams:
                     or not all(isinstance(c, str) and c for c in self.choice)):
                 raise InvalidRequestError(f"{where} must be a non-empty list of non-empty strings", where)
             self.choice = list(self.choice)
+        if self.after is not None:
+            if (not isinstance(self.after, (list, tuple)) or not self.after
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.after)):
+                raise InvalidRequestError("structured_outputs.after must be a non-empty list of token ids",
+                                          "structured_outputs.after")
+            self.after = tuple(self.after)
 
     @property
     def kind(self) -> str:
@@ -75,7 +84,7 @@ class StructuredOutputsParams:
         if not isinstance(value, dict):
             raise InvalidRequestError(f"structured_outputs must be an object, got {type(value).__name__}",
                                       "structured_outputs")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"after"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise InvalidRequestError(f"structured_outputs: unknown field(s) {unknown}; known: {sorted(known)}",

@@ -121,6 +121,23 @@ def with_forced_tools(params: Any, body: ChatCompletionRequest) -> Any:
         raise RequestError(str(err), getattr(err, "param", None) or "tool_choice") from None
 
 
+def constrain_after_reasoning(params: Any, plan: OutputPlan, tok: Any) -> Any:
+    """A constrained request of a reasoning model thinks freely and is held to its constraint from the end of its
+    think block on (vLLM's rule): the engine gets the end marker's token ids. Not where the prompt already closed
+    the block or thinking is off (the parser's explicit mode): there the constraint holds from the first token."""
+    so = getattr(params, "structured_outputs", None)
+    if so is None or plan.reasoning is None or tok is None:
+        return params
+    parser = plan.reasoning()
+    if parser.explicit_mode:
+        return params
+    from engine.structured_params import StructuredOutputsParams
+
+    so = StructuredOutputsParams.coerce(so)
+    after = tuple(tok.encode(parser.end, add_special_tokens=False))
+    return dataclasses.replace(params, structured_outputs=dataclasses.replace(so, after=after))
+
+
 # ------------------------------------------------------------------------------------------- responses
 class ChatServing(Serving):
     def __init__(self, *args: Any, plan: OutputPlan, prompt_text: str | None = None):
@@ -198,6 +215,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     prompt_text, prompt_ids = render_prompt(state, body)
     plan = output_plan(state, body, prompt_text)
     params = with_forced_tools(params, body)
+    params = constrain_after_reasoning(params, plan, state.engine.tokenizer)
     if plan.tools is not None and markers_are_special(state.engine.tokenizer, getattr(plan.tools, "markers", ())):
         params.skip_special_tokens = False  # else the markers would be dropped from the text (as vLLM's hermes)
     rid = response_id("chatcmpl", raw.scope, body.request_id)

@@ -174,7 +174,8 @@ def openai_client(base_url: str, **kwargs):
 
     kwargs.setdefault("timeout", 60.0)
     kwargs.setdefault("max_retries", 0)
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="EMPTY", **kwargs)
+    kwargs.setdefault("api_key", "EMPTY")
+    return openai.OpenAI(base_url=base_url + "/v1", **kwargs)
 
 
 # ------------------------------------------------------------------------------------ shared fixtures

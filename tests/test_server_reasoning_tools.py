@@ -4,19 +4,20 @@ served by uvicorn on loopback and driven with the official openai SDK, streamed 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
+from helpers_scripted import (
+    R1_PIECES,
+    THINK_PIECES,
+    TOOL_PIECES,
+    TOOLS,
+    check_with_transformers,
+    write_scripted_llama,
+)
+from server_fixtures import build_engine, openai_client, serve, wait_drained
 
 from engine.sampling_params import SamplingParams
-from helpers_scripted import (R1_PIECES, THINK_PIECES, TOOL_PIECES, TOOLS, check_with_transformers,
-                              write_scripted_llama)
-from server_fixtures import build_engine, openai_client, serve, wait_drained
 
 USER = [{"role": "user", "content": "What is 2+2? And the weather in Paris?"}]
 NAMED_PIECES = ['{"city": ', '"Paris"}']
@@ -310,6 +311,7 @@ def test_tool_markers_are_kept_in_the_text_only_where_they_are_special_tokens():
     """vLLM's hermes parser decodes with skip_special_tokens off, for vocabularies where <tool_call> is special;
     kvllm does so only then (its text would otherwise end with the EOS token's text)."""
     from helpers_scripted import scripted_tokenizer
+
     from server.chat import markers_are_special
     from server.tools.hermes import HermesToolParser
 
@@ -336,48 +338,3 @@ def test_config_and_flags():
         ServerConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         ServerConfig(tool_call_parser="mistral")
-
-
-def test_kvllm_serve_reasoning_and_tool_round_trip(scripted, tmp_path):
-    """`kvllm serve` (the CLI, in a subprocess) with vLLM's flags, driven by the openai SDK."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", str(scripted["tool"].path), "--port", str(port),
-         "--served-model-name", "scripted", "--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice",
-         "--tool-call-parser", "hermes", "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "256",
-         "--max-model-len", "2048", "--threads", "1", "--disable-uvicorn-access-log"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(os.path.dirname(__file__)))
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.5)
-        client = openai_client(base)
-        kw = dict(model="scripted", messages=USER, tools=TOOLS, temperature=0)
-        r = client.chat.completions.create(**kw)
-        msg = r.choices[0].message
-        assert msg.reasoning_content == "I need the weather." and msg.content == "Let me check."
-        assert [(t.function.name, t.function.arguments) for t in msg.tool_calls] == \
-            [("get_weather", WEATHER_ARGS), ("get_time", TIME_ARGS)] and r.choices[0].finish_reason == "tool_calls"
-        reasoning, content, calls, finish, _ = _collect(client.chat.completions.create(stream=True, **kw))
-        assert (reasoning, content, finish) == ("I need the weather.", "Let me check.", ["tool_calls"])
-        assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", WEATHER_ARGS),
-                                                                         ("get_time", TIME_ARGS)]
-        history = USER + [msg.model_dump(exclude_none=True)] + [
-            {"role": "tool", "tool_call_id": t.id, "content": "ok"} for t in msg.tool_calls]
-        again = client.chat.completions.create(**{**kw, "messages": history})
-        assert again.usage.prompt_tokens > r.usage.prompt_tokens and again.choices[0].message.tool_calls
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()

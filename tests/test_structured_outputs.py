@@ -166,6 +166,35 @@ def test_the_matcher_follows_outputs_that_shrink_or_grow(engine):
         assert seq.structured.num_accepted == len(outputs)
 
 
+def test_the_grammar_starts_after_the_reasoning_end_marker(engine):
+    """With ``after`` (the server's reasoning end marker) the row samples freely until the marker's tokens have
+    been generated, then the mask is the library's for the tokens past the marker alone; a marker that arrives
+    one token per step is still found, and outputs that shrink below it free the row again."""
+    core = engine.core
+    so = StructuredOutputs(core.tokenizer, core.model_config.vocab_size, core.eos_token_ids)
+    compiled = so.compile(StructuredOutputsParams(**COMPACT))
+    vocab = core.model_config.vocab_size
+    marker = (11, 12)
+    json_ids = core.tokenizer('{"name":"Bo', add_special_tokens=False).input_ids
+    seq = fake_seq(compiled, [])
+    seq.structured = GrammarState(xgr.GrammarMatcher(compiled), after=marker)
+    for outputs, start in (([5, 11], None), ([5, 11, 7], None), ([5, 11, 7, 11], None),
+                           ([5, 11, 7, 11, 12], 5), ([5, 11, 7, 11, 12, *json_ids], 5), ([5, 11], None)):
+        seq.output_token_ids = list(outputs)
+        logits = torch.zeros(1, vocab)
+        so.mask([seq], logits)
+        assert seq.structured.start == start
+        if start is None:
+            assert torch.isfinite(logits).all()  # still reasoning: nothing masked
+        else:
+            fresh = torch.zeros(1, vocab)
+            so.mask([fake_seq(compiled, outputs[start:])], fresh)
+            assert torch.equal(torch.isfinite(logits), torch.isfinite(fresh))
+            assert seq.structured.num_accepted == len(outputs) - start
+    with pytest.raises(InvalidRequestError):  # requests cannot set it
+        StructuredOutputsParams.coerce({"json": SCHEMA, "after": [1]})
+
+
 def test_choice_literals_are_escaped(engine):
     core = engine.core
     so = StructuredOutputs(core.tokenizer, core.model_config.vocab_size, core.eos_token_ids)
