@@ -106,7 +106,8 @@ def serving(args, tok, out: Path, log: list) -> list[dict]:
                     res = out / f"serving_{client}-client_{engine}-server_t{threads}.json"
                     r = run_client(client, server, w, args.model_dir, res, out / (res.stem + ".log"))
                     rows.append({"threads": threads, "server": engine, "client": client, "result": r,
-                                 "startup_s": server.startup_s, "result_path": str(res)})
+                                 "startup_s": server.startup_s, "idle_cores": server.idle_cores,
+                                 "result_path": str(res)})
                     print(f"  {client} client: {r['completed']} ok / {r['failed']} failed, "
                           f"{r['output_throughput']:.1f} tok/s", flush=True)
             log.append(f"serving t={threads} {engine} server: " + display(server.cmd))
@@ -153,6 +154,7 @@ def memory(args, tok, out: Path, log: list) -> list[dict]:
                 res = out / f"memory_{name}_t{threads}.json"
                 r = run_client("vllm", server, w, args.model_dir, res, out / (res.stem + "_client.log"))
             rows.append({"threads": threads, "server": name, "result": r, "startup_s": server.startup_s,
+                         "idle_cores": server.idle_cores,
                          "pool_tokens": vllm_blocks * vllm_block if name == "vllm" else kvllm_blocks * kvllm_block})
             print(f"memory {name} t={threads}: {r['completed']} ok / {r['failed']} failed, "
                   f"{r['output_throughput']:.1f} tok/s, preemptions {r['_counters'].get('num_preemptions')}",

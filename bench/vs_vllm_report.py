@@ -126,9 +126,9 @@ def memory_table(rows: list[dict]) -> str:
 
 
 def startup_table(data: dict) -> str:
-    lines = ["| part | engine | threads | startup s |", "|---|---|---:|---:|"]
+    lines = ["| part | engine | threads | startup s | CPU cores busy while idle |", "|---|---|---:|---:|---:|"]
     for r in data.get("offline", []):
-        lines.append(f"| offline (engine object ready) | {r['engine']} | {r['threads']} | {r['startup_s']:.0f} |")
+        lines.append(f"| offline (engine object ready) | {r['engine']} | {r['threads']} | {r['startup_s']:.0f} | |")
     seen = set()
     for part in ("serving", "memory"):
         for row in data.get(part, []):
@@ -136,7 +136,7 @@ def startup_table(data: dict) -> str:
             if key not in seen:
                 seen.add(key)
                 lines.append(f"| {part} (process start to /health 200) | {row['server']} | {row['threads']} | "
-                             f"{row['startup_s']:.0f} |")
+                             f"{row['startup_s']:.0f} | {row.get('idle_cores', float('nan')):.2f} |")
     return "\n".join(lines)
 
 
@@ -173,8 +173,10 @@ def render(data: dict, sizes: dict, args) -> str:
                      f"block 32 (its CPU attention takes multiples of 32) with `--num-gpu-blocks-override`, kvllm "
                      f"block 16 with `--num-kv-blocks`; vLLM preempts by recompute, kvllm swaps or recomputes by "
                      f"cost; Kara as in bench/compression_throughput.py):\n\n" + memory_table(data["memory"]))
-    parts.append("**Startup** (vLLM compiles its model with torch inductor on a cache miss; the cache is in "
-                 "build/vllm-cache):\n\n" + startup_table(data))
+    parts.append("**Startup** (vLLM compiles its model with torch inductor on a cache miss, minutes on this CPU; "
+                 "the cache is in build/vllm-cache, and vLLM 0.32's default AOT cache fails to load with torch 2.13, "
+                 "so VLLM_USE_AOT_COMPILE=0; the last column is the CPU a started server burns over 5 s with no "
+                 "request):\n\n" + startup_table(data))
     parts.append("Commands (paths relative to the repository; the vLLM tools run from build/vllm-venv/bin):\n\n```\n"
                  + "\n".join(data["commands"]) + "\n```")
     return "\n\n".join(parts)

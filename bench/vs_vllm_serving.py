@@ -11,9 +11,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.vllm_env import ROOT, VENV
@@ -47,8 +48,7 @@ class Server:
     log: Path
     proc: subprocess.Popen | None = None
     startup_s: float = 0.0
-    preemptions_before: float = 0.0
-    extra: dict = field(default_factory=dict)
+    idle_cores: float = 0.0
 
     def start(self, timeout: float = 1800.0) -> "Server":
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -63,11 +63,18 @@ class Server:
                 if urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5).status == 200:
                     self.startup_s = time.perf_counter() - t0
                     self._warm_up()
+                    self.idle_cores = self._idle_cores()
                     return self
             except OSError:
                 time.sleep(2)
         self.stop()
         raise RuntimeError(f"{self.name} not healthy after {timeout:.0f} s; see {self.log}")
+
+    def _idle_cores(self, seconds: float = 5.0) -> float:
+        """CPU cores the server keeps busy while it has no request (a polling loop shows here)."""
+        c0 = sum(self.cpu_seconds().values())
+        time.sleep(seconds)
+        return (sum(self.cpu_seconds().values()) - c0) / seconds
 
     def _warm_up(self) -> None:
         """One short completion, so no measured run pays a server's first-request costs."""
@@ -165,19 +172,57 @@ def kvllm_client_cmd(w: Workload, model_dir: Path, port: int, result: Path) -> l
     return cmd
 
 
+class CpuSampler:
+    """Samples a server's per-thread CPU seconds every `period` s in a thread, so the CPU of the client's measured
+    window alone can be read afterwards (the client's start-up, test request and warm-ups fall outside it)."""
+
+    def __init__(self, server: Server, period: float = 0.5) -> None:
+        self.server, self.period = server, period
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.time(), self.server.cpu_seconds()))
+            if self._stop.wait(self.period):
+                self.samples.append((time.time(), self.server.cpu_seconds()))
+                return
+
+    def __enter__(self) -> "CpuSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def at(self, t: float) -> dict[str, float]:
+        """Per-thread CPU seconds at time t, linear between the two samples around it."""
+        before = max((s for s in self.samples if s[0] <= t), key=lambda s: s[0], default=self.samples[0])
+        after = min((s for s in self.samples if s[0] >= t), key=lambda s: s[0], default=self.samples[-1])
+        if after[0] == before[0]:
+            return dict(before[1])
+        f = (t - before[0]) / (after[0] - before[0])
+        return {k: before[1].get(k, 0.0) + f * (v - before[1].get(k, 0.0)) for k, v in after[1].items()}
+
+
 def run_client(client: str, server: Server, w: Workload, model_dir: Path, result: Path, log: Path) -> dict:
-    """Run one client against a started server; returns its result JSON plus the preemptions during the run."""
+    """Run one client against a started server; returns its result JSON plus the server's counters and CPU time
+    over the client's measured window (its `duration`, ending when the result file was written)."""
     make = vllm_client_cmd if client == "vllm" else kvllm_client_cmd
     cmd = make(w, model_dir, server.port, result)
     env = vllm_env(1) if client == "vllm" else {**os.environ, "TQDM_DISABLE": "1"}
-    before, cpu0 = server.counters(), server.cpu_seconds()
+    before = server.counters()
     result.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
+    result.unlink(missing_ok=True)
+    with open(log, "w") as f, CpuSampler(server) as cpu:
         proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode != 0 or not result.is_file():
         raise RuntimeError(f"{client} bench serve against {server.name} failed ({proc.returncode}); see {log}")
     out = json.loads(result.read_text())
-    out["_server_cpu_threads"] = cpu_delta(cpu0, server.cpu_seconds())
+    end = result.stat().st_mtime
+    out["_server_cpu_threads"] = cpu_delta(cpu.at(end - out["duration"]), cpu.at(end))
     out["_server_cpu"] = cpu_summary(out["_server_cpu_threads"])
     out["_server_cpu_s"] = out["_server_cpu"]["total"]
     after = server.counters()
