@@ -307,14 +307,20 @@ def test_ops_flags_parse():
         ServerConfig(metrics_prefix="x")
 
 
-def test_readme_lists_the_server_flags():
+def test_readme_lists_the_server_and_engine_flags():
     from pathlib import Path
 
     from engine.argspec import markdown_table
+    from engine.config import EngineConfig
     from server.config import ServerConfig
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert markdown_table(ServerConfig) in readme, "regenerate the README's server-flag table"
+    assert markdown_table(EngineConfig) in readme, "regenerate the README's engine-flag table"
+    vllm_users = readme.split("## vLLM users", 1)[1].split("\n## ", 1)[0]
+    for flag in ("--gpu-memory-utilization", "--swap-space", "--enforce-eager", "--api-key", "--reasoning-parser",
+                 "--tool-call-parser", "--chat-template", "--generation-config", "--max-logprobs"):
+        assert flag in vllm_users, flag
 
 
 def test_kvllm_serve_applies_the_ops_flags(tiny_server_model_dir, tmp_path):
