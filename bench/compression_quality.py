@@ -39,189 +39,29 @@ every method keeps, and each method's keep rate by position in the window) and w
 The defaults (every method, r in {0.2, 0.3, 0.5}, 8 trials, 1184-token continuations: 344 sequences of 1216
 tokens) take about an hour on one thread of a shared 2-core AVX2 CPU, almost all of it in the forward passes
 (compression is ~2-10% of the time); `--trials 2 --ratio 0.3` takes ~7 min.
+
+The trials and each method's settings are in bench/quality_cases.py, the tables, reading and plot in
+bench/quality_report.py; this file scores and runs.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from bench.common import DOCS, real_text, write_section  # noqa: E402
-from compression import KVCompressionConfig  # noqa: E402
-from compression.base import WindowBatch, as_selection  # noqa: E402
-from compression.config import num_topk  # noqa: E402
+from bench.common import DOCS, write_section
+from compression import KVCompressionConfig
+from bench.quality_cases import (DEFAULT_WINDOW, METHODS, PASSAGE_MODULES, Trial, equal_kv_ratio,  # noqa: F401
+                                 make_trials, method_config, passages, spread_leads, synthetic_trials)
+from bench.quality_report import LABELS, MethodResult, plot, reading, tables  # noqa: F401
+from compression.base import WindowBatch, as_selection
 
-METHODS = ("none", "kara", "kara_recompute", "kara_no_chunk", "kara_buffer_queries", "random", "streaming", "snapkv", "tova", "h2o",
-           "keydiff", "knorm", "rkv", "ams", "infokv", "centroid")
-LABELS = {
-    "none": "full cache (none)",
-    "kara": "Kara",
-    "kara_recompute": "Kara, recomputed queries",
-    "kara_no_chunk": "Kara w/o Token2Chunk",
-    "kara_buffer_queries": "Kara w/o Bi-Attention (buffer queries)",
-    "random": "random in window",
-    "streaming": "StreamingLLM (recency)",
-    "snapkv": "SnapKV (window)",
-    "tova": "TOVA",
-    "h2o": "H2O (window queries)",
-    "keydiff": "KeyDiff",
-    "knorm": "K-norm",
-    "rkv": "R-KV",
-    "ams": "AMS (base Kara)",
-    "infokv": "InfoKV-style (Kara + entropy)",
-    "centroid": "CentroidKV (merging)",
-}
-#: Standard-library modules whose docstrings serve as planted passages (distinctive prose, not license text).
-PASSAGE_MODULES = ("sched", "colorsys", "difflib", "tabnanny", "wave", "heapq", "statistics", "pydoc", "argparse",
-                   "pickletools", "imaplib", "ftplib")
-#: The paper's defaults (|W| = 512, |U| = 64, gamma = 8, alpha = 16); period = |W| - |U|.
-DEFAULT_WINDOW = dict(window=512, buffer=64, chunk_max=8, chunk_budget=16, compression_period=448)
 PLOT = DOCS.parent / "compression_quality.png"
-
-
-@dataclass
-class Trial:
-    context: list[int]
-    continuation: list[int]
-    passage: tuple[int, int]  # [start, end) of the planted passage in the continuation
-    recall: tuple[int, int]  # [start, end) of its repetition (the recall span)
-    name: str = ""
-
-
-@dataclass
-class MethodResult:
-    method: str
-    ratio: float | None
-    logprobs: list[list[float]]  # per trial, log p of every continuation token
-    kv_len: float  # final KV slots per sequence (context + continuation − evicted)
-    logical_len: int  # context + continuation tokens per sequence
-    tokens_seen: float = 0.0  # per sequence
-    tokens_evicted: float = 0.0
-    late_from: int = 0  # first continuation index scored after the first compression round
-    trials: list[Trial] = field(default_factory=list)
-    kept_per_window: int = 0  # region slots kept of every compressed window (n for "none")
-    region_len: int = 0  # n
-    compression_seconds: float = 0.0  # this run's share of the engine's compression time (all its trials)
-    compressed_tokens: int = 0  # region tokens this run scored (all its trials)
-
-    @property
-    def kept_fraction(self) -> float:
-        return self.kept_per_window / self.region_len if self.region_len else 1.0
-
-    @property
-    def ms_per_token(self) -> float:
-        return 1e3 * self.compression_seconds / self.compressed_tokens if self.compressed_tokens else float("nan")
-
-    def text_per_trial(self) -> list[float]:
-        """NLL after the first round per trial (the text tokens every method scores under compression)."""
-        out = []
-        for lp, t in zip(self.logprobs, self.trials):
-            idx = [i for i in range(self.late_from, len(lp)) if not t.recall[0] <= i < t.recall[1]]
-            out.append(sum(-lp[i] for i in idx) / len(idx) if idx else float("nan"))
-        return out
-
-    def _mean(self, spans: Sequence[Sequence[int]]) -> float:
-        vals = [-lp[i] for lp, idx in zip(self.logprobs, spans) for i in idx]
-        return sum(vals) / len(vals) if vals else float("nan")
-
-    @property
-    def text_nll(self) -> float:
-        """Mean NLL over every continuation token except the repeated passage."""
-        return self._mean([[i for i in range(len(lp)) if not t.recall[0] <= i < t.recall[1]]
-                           for lp, t in zip(self.logprobs, self.trials)])
-
-    @property
-    def late_nll(self) -> float:
-        """Mean NLL over the text tokens scored after the first compression round (same tokens for every method)."""
-        return self._mean([[i for i in range(self.late_from, len(lp)) if not t.recall[0] <= i < t.recall[1]]
-                           for lp, t in zip(self.logprobs, self.trials)])
-
-    def recall_per_trial(self) -> list[float]:
-        return [sum(-lp[i] for i in range(*t.recall)) / (t.recall[1] - t.recall[0])
-                for lp, t in zip(self.logprobs, self.trials)]
-
-    @property
-    def recall_nll(self) -> float:
-        return self._mean([range(*t.recall) for t in self.trials])
-
-    @property
-    def first_copy_nll(self) -> float:
-        """NLL of the planted passage itself (scored before any compression: the no-recall reference)."""
-        return self._mean([range(*t.passage) for t in self.trials])
-
-
-# ----------------------------------------------------------------------------------------------- inputs
-def passages(tokenizer, count: int, length: int) -> list[tuple[str, list[int]]]:
-    """`count` passages of exactly `length` tokens from standard-library module docstrings."""
-    out = []
-    for name in PASSAGE_MODULES:
-        doc = (importlib.import_module(name).__doc__ or "").strip()
-        ids = tokenizer("\n\n" + doc + "\n\n", add_special_tokens=False).input_ids
-        if len(ids) >= length:
-            out.append((name, ids[:length]))
-        if len(out) == count:
-            return out
-    raise ValueError(f"only {len(out)} standard-library docstrings have >= {length} tokens; use fewer trials")
-
-
-def spread_leads(num_trials: int, region: int, passage_len: int) -> list[int]:
-    """Lead-in lengths that put trial k's passage at evenly spread offsets of the first window's compressible
-    region [0, region): the first trial at its start, the last ending at its end. Scores have a position bias
-    inside the window, so a passage at one fixed offset measures that bias as much as the scorer."""
-    last = region - passage_len
-    if last < 0:
-        raise ValueError(f"a {passage_len}-token passage does not fit a {region}-slot region")
-    if num_trials == 1:
-        return [last // 2]
-    return [round(k * last / (num_trials - 1)) for k in range(num_trials)]
-
-
-def make_trials(tokenizer, num_trials: int, *, filler_len: int = 2880, lead_len: int | Sequence[int] = 96,
-                passage_len: int = 80, context_len: int = 32) -> list[Trial]:
-    """Trials over license text at spread-out offsets; each plants a different passage. ``lead_len`` is one
-    lead-in length for every trial or one per trial; the filler shrinks by the extra lead so every continuation
-    has the same length (lockstep scoring needs that)."""
-    leads = [lead_len] * num_trials if isinstance(lead_len, int) else list(lead_len)
-    if len(leads) != num_trials:
-        raise ValueError(f"need {num_trials} lead-in lengths, got {len(leads)}")
-    body = max(leads) + filler_len  # lead + filler, the same in every trial
-    text = tokenizer(real_text(), add_special_tokens=False).input_ids
-    span = context_len + body
-    if span > len(text):
-        raise ValueError(f"need {span} tokens of real text, have {len(text)}")
-    step = (len(text) - span) // max(1, num_trials)
-    trials = []
-    for k, (lead, (name, p)) in enumerate(zip(leads, passages(tokenizer, num_trials, passage_len))):
-        s = k * step
-        ids = text[s:s + span]
-        ctx, rest = ids[:context_len], ids[context_len:]
-        cont = rest[:lead] + p + rest[lead:] + p
-        trials.append(Trial(ctx, cont, (lead, lead + passage_len), (len(cont) - passage_len, len(cont)),
-                            name=f"{name} @ license token {s}, passage at {lead}"))
-    return trials
-
-
-def synthetic_trials(num_trials: int, *, vocab: int, filler_len: int, lead_len: int, passage_len: int,
-                     context_len: int, seed: int = 0) -> list[Trial]:
-    """Random-token trials of the same shape (for tiny test models without a real tokenizer)."""
-    g = torch.Generator().manual_seed(seed)
-    trials = []
-    for _ in range(num_trials):
-        r = torch.randint(0, vocab, (context_len + lead_len + filler_len + passage_len,), generator=g).tolist()
-        ctx, lead = r[:context_len], r[context_len:context_len + lead_len]
-        filler = r[context_len + lead_len:context_len + lead_len + filler_len]
-        p = r[context_len + lead_len + filler_len:]
-        cont = lead + p + filler + p
-        trials.append(Trial(ctx, cont, (lead_len, lead_len + passage_len), (len(cont) - passage_len, len(cont))))
-    return trials
 
 
 # ----------------------------------------------------------------------------------------------- scoring
@@ -285,31 +125,6 @@ def score_many(engine, items: list[tuple[list[int], list[int], Any]], chunk_size
             raise req.error
         out[k] = list(req.final.prompt_logprobs)
     return out
-
-
-def equal_kv_ratio(ratio: float, n: int, alpha: int) -> float:
-    """The ratio r' at which a method keeping ⌈r'·n⌉ keeps as many slots as Kara's ⌈r·n⌉ + α."""
-    return min(1.0, (num_topk(ratio, n) + alpha) / n)
-
-
-def method_config(method: str, ratio: float, window: dict) -> KVCompressionConfig:
-    """The method at nominal budget r with the window settings it takes, keeping ⌈r·n⌉ + α slots per window:
-    methods with Kara's α (``chunk_budget``) at r, the others at `equal_kv_ratio`."""
-    if method == "none":
-        return KVCompressionConfig("none")
-    from compression import COMMON_FIELDS, registry
-
-    extra = {}
-    if method == "kara_recompute":  # Kara with its window queries from a second forward instead of the query cache
-        method, extra = "kara", {"query_source": "recompute"}
-    names = set(registry.get(method).param_names())
-    n, alpha = window["window"] - window["buffer"], window.get("chunk_budget", 0)
-    values = {k: v for k, v in window.items() if k in set(COMMON_FIELDS) | names}
-    want = min(n, num_topk(ratio, n) + alpha)
-    cfg = KVCompressionConfig(method, ratio=ratio if "chunk_budget" in names else equal_kv_ratio(ratio, n, alpha),
-                              **values, **extra)
-    assert cfg.kept_per_window == want, (method, cfg.kept_per_window, want)
-    return cfg
 
 
 def _needs_entropy(cfgs) -> int | None:
@@ -521,105 +336,6 @@ def diagnose(engine, trials: list[Trial], methods: Sequence[str], ratios: Sequen
         lines.append(f"| {LABELS.get(m, m)} | {r:g} | " + " | ".join(f"{rate[a:b].mean().item():.1%}" for a, b in bands)
                      + " |")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------- output
-def _label(res: MethodResult) -> str:
-    return LABELS.get(res.method, res.method)
-
-
-def tables(results: list[MethodResult], trials: list[Trial], kept: dict | None = None) -> str:
-    none = next((r for r in results if r.method == "none"), None)
-    kept = kept or {}
-    d = (lambda a, b: f"{a - b:+.4f}") if none is not None else (lambda a, b: "-")
-    head = ("| method | r | kept / window | final KV slots / tokens | text NLL | Δ vs full | NLL after 1st round "
-            "| Δ vs full | recall NLL | Δ vs full | passage slots kept | compression ms / token |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for res in results:
-        ratio = "-" if res.ratio is None else f"{res.ratio:g}"
-        passage = ("100%" if res.method == "none" else
-                   format(kept[(res.method, res.ratio)], ".1%") if (res.method, res.ratio) in kept else "-")
-        ms = "-" if res.method == "none" else f"{res.ms_per_token:.2f}"
-        lines.append(
-            f"| {_label(res)} | {ratio} | {res.kept_per_window}/{res.region_len} | {res.kv_len:.0f} / "
-            f"{res.logical_len} ({res.kv_len / res.logical_len:.1%}) | {res.text_nll:.4f} "
-            f"| {d(res.text_nll, none.text_nll) if none else '-'} | {res.late_nll:.4f} "
-            f"| {d(res.late_nll, none.late_nll) if none else '-'} | {res.recall_nll:.3f} "
-            f"| {d(res.recall_nll, none.recall_nll) if none else '-'} | {passage} | {ms} |")
-    lines += ["", "Recall NLL per trial (passage):", "",
-              "| method | r | " + " | ".join(t.name.split(" @")[0] or f"trial {i}" for i, t in enumerate(trials))
-              + " |", "|---|---:|" + "---:|" * len(trials)]
-    for res in results:
-        ratio = "-" if res.ratio is None else f"{res.ratio:g}"
-        lines.append(f"| {_label(res)} | {ratio} | " + " | ".join(f"{v:.3f}" for v in res.recall_per_trial()) + " |")
-    if none is not None:
-        lines.append("| first occurrence (no recall possible) | - | "
-                     + " | ".join(f"{sum(-lp[i] for i in range(*t.passage)) / (t.passage[1] - t.passage[0]):.3f}"
-                                  for lp, t in zip(none.logprobs, trials)) + " |")
-    return "\n".join(lines)
-
-
-def _wins(group: list[MethodResult], per_trial) -> dict[str, int]:
-    """Trials in which each method has the lowest value of `per_trial` among `group` (ties: each tied one wins)."""
-    vals = [per_trial(r) for r in group]
-    wins = {r.method: 0 for r in group}
-    for t in range(len(vals[0])):
-        best = min(v[t] for v in vals)
-        for r, v in zip(group, vals):
-            wins[r.method] += v[t] == best
-    return wins
-
-
-def reading(results: list[MethodResult]) -> list[str]:
-    """Per budget: the best method by mean recall NLL and by mean NLL after the first round, each with the number of
-    trials in which it is the best of all methods at that budget, and the runner-up."""
-    out = []
-    for r in sorted({x.ratio for x in results if x.ratio is not None}):
-        group = [x for x in results if x.ratio == r]
-        if len(group) < 2:
-            continue
-        n_trials = len(group[0].trials)
-        kept = f"{group[0].kept_per_window}/{group[0].region_len}"
-        for what, mean, per_trial in (("recall NLL", lambda x: x.recall_nll, MethodResult.recall_per_trial),
-                                      ("NLL after the 1st round", lambda x: x.late_nll, MethodResult.text_per_trial)):
-            ranked = sorted(group, key=mean)
-            wins = _wins(group, per_trial)
-            best, second = ranked[0], ranked[1]
-            most = max(wins.values())
-            out.append(f"r={r:g} ({kept} slots per window): best {what} {_label(best)} {mean(best):.4f} (best in "
-                       f"{wins[best.method]}/{n_trials} trials), then {_label(second)} {mean(second):.4f} "
-                       f"({wins[second.method]}/{n_trials}); most trials won: "
-                       + ", ".join(f"{LABELS.get(m, m)} {w}" for m, w in wins.items() if w == most and w > 0))
-    return out
-
-
-def plot(results: list[MethodResult], path: Path) -> None:
-    """Recall NLL against the kept fraction of each window, one line per method; the full cache and the
-    no-recall level (the passage's first occurrence) as horizontal references."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    methods = [m for m in dict.fromkeys(r.method for r in results) if m != "none"]
-    styles = ["-o", "-s", "-^", "-v", "-D", "-P", "-X", "-*", "-<", "->", "-h", "-p", "-d", "-8"]
-    for i, m in enumerate(methods):
-        pts = sorted((r.kept_fraction, r.recall_nll) for r in results if r.method == m)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[i % len(styles)], label=LABELS.get(m, m),
-                linewidth=2.2 if m == "kara" else 1.2, markersize=5)
-    none = next((r for r in results if r.method == "none"), None)
-    if none is not None:
-        ax.axhline(none.recall_nll, color="k", linestyle="--", linewidth=1, label="full cache")
-        ax.axhline(none.first_copy_nll, color="gray", linestyle=":", linewidth=1, label="no recall (1st occurrence)")
-    ax.set_xlabel("kept fraction of each compressed window ((⌈r·n⌉ + α) / n)")
-    ax.set_ylabel("recall NLL of the repeated passage (nats/token, lower is better)")
-    ax.set_title("Long-range recall vs KV budget, SmolLM2-135M, equal KV length per budget")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main() -> None:
