@@ -14,12 +14,15 @@ from compression.base import Compressor, WindowBatch, check_window_inputs, num_k
 from compression.config import field_error
 
 # Above this many float32 logits, kara_scores processes groups of layers at a time (bounds peak memory; the
-# layers in one group are still batched). 1 << 27 floats = 512 MiB.
+# layers in one group are still batched). On a GPU 1 << 27 floats = 512 MiB; on a CPU the group is kept near the
+# last-level cache (16 MiB), since a softmax and sum over logits that spill to DRAM ran ~3x slower there.
 MAX_LOGIT_ELEMS = 1 << 27
+MAX_LOGIT_ELEMS_CPU = 1 << 22
 
 
-def _layer_groups(L: int, per_layer_elems: int) -> list[tuple[int, int]]:
-    step = max(1, min(L, MAX_LOGIT_ELEMS // max(1, per_layer_elems)))
+def _layer_groups(L: int, per_layer_elems: int, device: torch.device | None = None) -> list[tuple[int, int]]:
+    cap = MAX_LOGIT_ELEMS if device is None or device.type != "cpu" else min(MAX_LOGIT_ELEMS, MAX_LOGIT_ELEMS_CPU)
+    step = max(1, min(L, cap // max(1, per_layer_elems)))
     return [(s, min(L, s + step)) for s in range(0, L, step)]
 
 
@@ -41,7 +44,7 @@ def kara_scores(queries: torch.Tensor, keys: torch.Tensor, num_region: int, *, q
     wq = w - query_start
     scale = 1.0 / math.sqrt(d)
     out = torch.empty(L, hkv, num_region, dtype=torch.float32, device=keys.device)
-    for l0, l1 in _layer_groups(L, hq * wq * num_region):
+    for l0, l1 in _layer_groups(L, hq * wq * num_region, keys.device):
         # Query head h = kv * g + j, so [Hq, Wq] -> [Hkv, g * Wq] keeps each group's queries together.
         q = queries[l0:l1, :, query_start:].to(torch.float32).reshape(l1 - l0, hkv, g * wq, d) * scale
         k = keys[l0:l1, :, :num_region].to(torch.float32)

@@ -75,7 +75,7 @@ def rkv_importance(queries_obs: torch.Tensor, keys: torch.Tensor, *, kernel: int
     hkv, T = keys.shape[1], keys.shape[2]
     n = T - w
     out = torch.empty(L, hkv, n, dtype=torch.float32, device=keys.device)
-    for l0, l1 in layer_groups(L, hq * w * n):
+    for l0, l1 in layer_groups(L, hq * w * n, keys.device):
         q = group_queries(queries_obs[l0:l1], hkv) * (1.0 / math.sqrt(d))  # [l, Hkv, g, w, D]
         k = keys[l0:l1, :, :n].to(torch.float32).unsqueeze(2)  # [l, Hkv, 1, n, D]
         logits = _group_reduce(torch.matmul(q, k.transpose(-1, -2)))  # [l, Hkv, w, n]
@@ -103,7 +103,7 @@ def rkv_redundancy(keys: torch.Tensor, *, sim_threshold: float = RKV_SIM_THRESHO
     L, hkv, T, _ = keys.shape
     out = torch.empty(L, hkv, T, dtype=torch.float32, device=keys.device)
     # Per layer: the float32 T x T matrix, its int32 masked-index copy and the bool mask.
-    for l0, l1 in layer_groups(L, hkv * T * T * 3):
+    for l0, l1 in layer_groups(L, hkv * T * T * 3, keys.device):
         k = keys[l0:l1].to(torch.float32)
         kh = k / (torch.linalg.vector_norm(k, dim=-1, keepdim=True) + 1e-8)
         c = torch.matmul(kh, kh.transpose(-1, -2))  # [l, Hkv, T, T]
