@@ -169,6 +169,22 @@ def serve(engine, **app_kwargs):
         srv.stop()
 
 
+def wait_healthy(proc, base: str, log_path, timeout: float = 180.0) -> None:
+    """Wait until a `kvllm serve` subprocess answers /health with 200 (its log in the failure if it exits)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, Path(log_path).read_text()
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.5)
+
+
 def openai_client(base_url: str, **kwargs):
     import openai
 

@@ -6,14 +6,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from engine.sampling_params import SamplingParams
 from server_fixtures import *  # noqa: F401,F403
-from server_fixtures import openai_client
+from server_fixtures import openai_client, wait_healthy
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
@@ -347,16 +346,7 @@ def test_cli_serve_real_smollm2_end_to_end(tmp_path):
                             stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(os.path.dirname(__file__)))
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(1)
+        wait_healthy(proc, base, tmp_path / "serve.log", timeout=240)
         client = openai_client(base, timeout=120)
         resp = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=12,
                                               messages=[{"role": "user", "content": "What is the capital of France?"}])

@@ -13,7 +13,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from server_fixtures import *  # noqa: F401,F403
-from server_fixtures import openai_client, serve
+from server_fixtures import openai_client, serve, wait_healthy
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 KEYS = ["secret-one", "secret-two"]
@@ -329,7 +329,6 @@ def test_kvllm_serve_applies_the_ops_flags(tiny_server_model_dir, tmp_path):
     import socket
     import subprocess
     import sys
-    import time
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -344,16 +343,7 @@ def test_kvllm_serve_applies_the_ops_flags(tiny_server_model_dir, tmp_path):
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.5)
+        wait_healthy(proc, base, tmp_path / "serve.log", timeout=180)
         auth = {"Authorization": "Bearer cli-key"}
         assert _complete(base).status_code == 401
         assert _complete(base, auth).status_code == 200

@@ -10,13 +10,12 @@ import re
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import jsonschema
 import pytest
 from helpers_scripted import _TEMPLATE, TOOL_PIECES, TOOLS, write_scripted_llama
-from server_fixtures import openai_client
+from server_fixtures import openai_client, wait_healthy
 
 USER = [{"role": "user", "content": "What is the weather in Paris, and the time there?"}]
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "sunny": {"type": "boolean"}},
@@ -46,16 +45,7 @@ def server(tmp_path_factory):
                             cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.5)
+        wait_healthy(proc, base, log_path, timeout=180)
         yield base, model, log_path
     finally:
         proc.terminate()
