@@ -162,7 +162,7 @@ def blocks_in_use(base: str, timeout: float = 120.0) -> int:
 
 def main() -> None:
     from bench.common import write_section
-    from bench.soak import free_port
+    from bench.soak import free_port, wait_for_health
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=2000)
@@ -182,16 +182,7 @@ def main() -> None:
                                "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"],
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start; see soak-server.log")
-            time.sleep(1)
+        wait_for_health(server, base)
         t0 = time.perf_counter()
         report = check_server(base, args.requests, args.seed, args.budget)
         wall = time.perf_counter() - t0

@@ -51,6 +51,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_health(server: subprocess.Popen, base: str, timeout: float = 300.0) -> None:
+    """Wait for a started `kvllm serve` to answer /health with 200 (bench/request_fuzz.py uses it too)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start; see soak-server.log")
+        time.sleep(1)
+
+
 def text(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
@@ -192,16 +206,7 @@ def main() -> None:
                                "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"],
                               stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start; see soak-server.log")
-            time.sleep(1)
+        wait_for_health(server, base)
         rng = random.Random(args.seed)
         plans = [plan(rng, i, args.max_model_len) for i in range(args.requests)]
         t0 = time.perf_counter()

@@ -20,8 +20,13 @@ MAX_LOGIT_ELEMS = 1 << 27
 MAX_LOGIT_ELEMS_CPU = 1 << 22
 
 
+def logit_cap(cap: int, device: torch.device | None) -> int:
+    """``cap`` elements per layer group, at most MAX_LOGIT_ELEMS_CPU on a CPU device."""
+    return cap if device is None or device.type != "cpu" else min(cap, MAX_LOGIT_ELEMS_CPU)
+
+
 def _layer_groups(L: int, per_layer_elems: int, device: torch.device | None = None) -> list[tuple[int, int]]:
-    cap = MAX_LOGIT_ELEMS if device is None or device.type != "cpu" else min(MAX_LOGIT_ELEMS, MAX_LOGIT_ELEMS_CPU)
+    cap = logit_cap(MAX_LOGIT_ELEMS, device)
     step = max(1, min(L, cap // max(1, per_layer_elems)))
     return [(s, min(L, s + step)) for s in range(0, L, step)]
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from compression.base import check_window_inputs
 from compression.config import field_error
-from compression.kara import MAX_LOGIT_ELEMS_CPU, topk_sorted
+from compression.kara import logit_cap, topk_sorted
 
 # Above this many float32 elements in one [layers, ...] intermediate, work on groups of layers (same bounds as
 # compression/kara.py: 1 << 27 floats = 512 MiB, near the last-level cache on a CPU).
@@ -28,9 +28,8 @@ MAX_ELEMS = 1 << 27
 
 def layer_groups(L: int, per_layer_elems: int, device: torch.device | None = None) -> list[tuple[int, int]]:
     """[l0, l1) ranges covering [0, L) with at most MAX_ELEMS // per_layer_elems layers each (at least one; on a
-    CPU device the cap is MAX_LOGIT_ELEMS_CPU)."""
-    cap = MAX_ELEMS if device is None or device.type != "cpu" else min(MAX_ELEMS, MAX_LOGIT_ELEMS_CPU)
-    step = max(1, min(L, cap // max(1, per_layer_elems)))
+    CPU device the cap is compression/kara.py's MAX_LOGIT_ELEMS_CPU)."""
+    step = max(1, min(L, logit_cap(MAX_ELEMS, device) // max(1, per_layer_elems)))
     return [(s, min(L, s + step)) for s in range(0, L, step)]
 
 

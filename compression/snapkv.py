@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from compression import registry
 from compression.base import Compressor
 from compression.config import field_error
-from compression.kara import MAX_LOGIT_ELEMS, MAX_LOGIT_ELEMS_CPU, topk_sorted
+from compression.kara import MAX_LOGIT_ELEMS, logit_cap, topk_sorted
 
 
 def snapkv_scores(queries_obs: torch.Tensor, keys: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -46,8 +46,7 @@ def snapkv_scores(queries_obs: torch.Tensor, keys: torch.Tensor, kernel: int) ->
     masked = masked.repeat(g, 1)  # rows ordered (group member, query)
     scale = 1.0 / math.sqrt(d)
     summed = torch.empty(L, hkv, n, dtype=torch.float32, device=dev)
-    cap = MAX_LOGIT_ELEMS if dev.type != "cpu" else min(MAX_LOGIT_ELEMS, MAX_LOGIT_ELEMS_CPU)
-    step = max(1, min(L, cap // max(1, hq * w * T)))
+    step = max(1, min(L, logit_cap(MAX_LOGIT_ELEMS, dev) // max(1, hq * w * T)))
     for l0 in range(0, L, step):
         l1 = min(L, l0 + step)
         q = queries_obs[l0:l1].to(torch.float32).reshape(l1 - l0, hkv, g * w, d) * scale
