@@ -21,3 +21,6 @@ class RequestFailedError(RuntimeError):
         super().__init__(f"this request failed in {where}: {type(cause).__name__}: {cause}")
         self.where = where
         self.cause = cause
+
+    def __reduce__(self):  # pickled by the engine process (engine/process.py) to the HTTP process
+        return type(self), (self.where, self.cause)

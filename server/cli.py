@@ -63,6 +63,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_arguments(p.add_argument_group("engine (engine/config.py: EngineConfig)"), EngineConfig)
     p.add_argument("--threads", type=_nonneg_int, default=None,
                    help="CPU intra-op threads (default: every core, with a passive OpenMP wait policy)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine (model, KV pool, step loop) in a process of its own, apart from the HTTP "
+                        "server, as vLLM's engine core runs (engine/process.py); default: one process, the engine "
+                        "loop in a thread beside the HTTP event loop (measured faster on 2 cores, "
+                        "docs/benchmarks.md)")
     add_arguments(p.add_argument_group("server"), ServerConfig)
     c = p.add_argument_group("KV compression shortcuts (merged over --kv-compression; requests override them with "
                              "the kv_compression body field)")
@@ -144,20 +149,24 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _setup_logging(args.log_level)
 
     from engine.engine import Engine
+    from engine.process import ProcessEngine
     from server.app import build_app
 
     logger.info("loading %s (%s)", model, ", ".join(f"{k}={v}" for k, v in engine_kwargs.items()) or "defaults")
     seen = _Recorder()
     logging.getLogger("kvllm").addHandler(seen)
     try:
-        engine = Engine(model=model, **engine_kwargs)
+        if args.engine_process:  # the child logs its own capacity lines
+            engine = ProcessEngine(model=model, threads=args.threads or None, **engine_kwargs)
+        else:
+            engine = Engine(model=model, **engine_kwargs)
     except ValueError as err:
         logger.error("%s", err)
         return 2
     finally:
         logging.getLogger("kvllm").removeHandler(seen)
     try:
-        for line in engine.capacity_log_lines():  # the KV capacity (and post-compression) lines, once
+        for line in [] if args.engine_process else engine.capacity_log_lines():  # the KV capacity lines, once
             if line not in seen.messages:
                 logger.info("%s", line)
         # The loaded model, tokenizer and pools are a large, long-lived object graph: frozen, the collector stops
