@@ -122,6 +122,7 @@ def _first(rows, client) -> list[str]:
 
 def memory(args, tok, out: Path, log: list) -> list[dict]:
     n, ilen, olen, pool = SIZES["memory"][args.quick]
+    n = args.memory_requests or n
     # no untimed test request or warm-ups of the workload's size (minutes each here); each server has had a short
     # warm-up request once healthy
     w = Workload(write_prompts(tok, out / "memory.jsonl", n, ilen, seed=6), n, olen, None, num_warmups=0,
@@ -170,6 +171,9 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2", help="thread counts for the offline and serving parts")
     ap.add_argument("--memory-threads", default=None, help="thread counts for the memory part (default --threads)")
     ap.add_argument("--parts", default="offline,serving,memory")
+    ap.add_argument("--memory-requests", type=int, default=None,
+                    help="memory part: requests sent at once (default 8; with 8 the request count, not the pool, "
+                         "caps kvllm+Kara's concurrency)")
     ap.add_argument("--repeats", type=int, default=1, help="offline: runs of each workload (median reported)")
     ap.add_argument("--request-rate", default="inf", help="serving part: requests/s (Poisson) or inf")
     ap.add_argument("--engine-order", default="kvllm,vllm", help="which engine runs first at each thread count")
@@ -193,7 +197,7 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(str(args.model_dir))
     log: list[str] = []
-    data = {"versions": vllm_version(), "check": check, "quick": args.quick}
+    data = {"versions": vllm_version(), "check": check, "quick": args.quick, "memory_requests": args.memory_requests}
     if "offline" in parts:
         data["offline"] = offline(args, tok, out, log)
     if "serving" in parts:

@@ -168,6 +168,7 @@ def render(data: dict, sizes: dict, args) -> str:
                      + serving_table(data["serving"]))
     if "memory" in data:
         n, i, o, pool = sizes["memory"][quick]
+        n = data.get("memory_requests") or n
         parts.append(f"**Memory-limited serving** ({n} requests of {i}-token real-text prompts, {o} new tokens, "
                      f"all sent at once by `vllm bench serve`; KV pool for {pool} uncompressed sequences: vLLM "
                      f"block 32 (its CPU attention takes multiples of 32) with `--num-gpu-blocks-override`, kvllm "
