@@ -165,7 +165,9 @@ def main() -> None:
              f"{args.preemption_mode}. kara-preempt-only: first-come admission, no compress-before-preempt (the "
              f"old loop); kara-fcfs adds compress-before-preempt; kara-aware also admits by projected peak footprint. The ample rows have a pool for every "
              f"request uncompressed: none there is the throughput full concurrency is worth on this machine.")
-    png = DOCS.parent / "compression_throughput.png"
+    # --no-write leaves docs/ alone: the plot of a trial run goes to build/
+    png = (DOCS.parent if not args.no_write else DOCS.parent.parent / "build") / "compression_throughput.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
     plot(results, png)
     body += f"\n\n![throughput vs pool size]({png.name})"
     print(body)

@@ -106,8 +106,7 @@ def _child_main(conn, model: str, kwargs: dict, threads: int | None, log_level: 
     engine.add_step_observer(counter)
     info = {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
             "model_config": engine.model_config, "config": engine.config, "model_source": engine.model_source,
-            "kv_compression_config": engine.kv_compression_config, "tokenizer": engine.tokenizer,
-            "dtype": str(engine.dtype)}
+            "kv_compression_config": engine.kv_compression_config, "tokenizer": engine.tokenizer}
     conn.send([("ready", info)])
     sender = threading.Thread(target=_send_loop, args=(conn, outq), name="kvllm-engine-send", daemon=True)
     sender.start()
@@ -205,7 +204,6 @@ class ProcessEngine:
         self.model_name, self.max_model_len = info["model_name"], info["max_model_len"]
         self.model_config, self.config, self.model_source = info["model_config"], info["config"], info["model_source"]
         self.kv_compression_config, self.tokenizer = info["kv_compression_config"], info["tokenizer"]
-        self.dtype = info["dtype"]
         self._reader = threading.Thread(target=self._read_loop, name="kvllm-engine-recv", daemon=True)
         self._reader.start()
 
@@ -295,8 +293,9 @@ class ProcessEngine:
             slot.error = err
             slot.event.set()
 
-    def _call(self, msg_head: str, *rest: Any) -> Any:
-        call = next(self._ids)
+    def _call(self, msg_head: str, *rest: Any, call: int | None = None) -> Any:
+        """Send ``(msg_head, call, *rest)`` and wait for the child's answer (its error is raised here)."""
+        call = next(self._ids) if call is None else call
         slot = _Call()
         with self._lock:
             self._calls[call] = slot
@@ -312,17 +311,10 @@ class ProcessEngine:
         """Encode and validate in the engine process (its `InvalidRequestError` is raised here)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         call = next(self._ids)
-        slot = _Call()
-        with self._lock:
-            self._calls[call] = slot
-        self._send(("new", call, prompt, params, rid))
-        if not slot.event.wait(CALL_TIMEOUT_S):
-            self._die(f"no answer from the engine process in {CALL_TIMEOUT_S:.0f} s")
-        if slot.error is not None:
-            raise slot.error
+        ids = self._call("new", prompt, params, rid, call=call)
         from engine.sampling_params import SamplingParams
 
-        req = RemoteRequest(rid, prompt if isinstance(prompt, str) else None, slot.value,
+        req = RemoteRequest(rid, prompt if isinstance(prompt, str) else None, ids,
                             params if params is not None else SamplingParams(), [], time.monotonic(), call=call)
         # a request made but never started (another prompt of its HTTP request failed, a 503) is dropped there too
         weakref.finalize(req, self._drop, call, req.done)
