@@ -38,6 +38,7 @@ namespace {
 
 constexpr int kChunk = 32;     // KV slots per online-softmax step (one head's K and V chunk: 16 KiB at D=64, in L1)
 constexpr int kTileTokens = 8; // prefill: query tokens per work item (x g heads share each K/V row)
+constexpr int kStreamChunks = 4;  // chunks read into cache per pass (stream_range): 4 x 48 KiB at SmolLM2's shapes
 constexpr float kLog2e = 1.4426950408889634f;
 
 enum class DType { F32, BF16, F16 };
@@ -130,36 +131,37 @@ inline void slot_offsets(const Problem& P, const int32_t* pages, int64_t c0, int
   }
 }
 
-// Reads every cache line of the chunk's K and V rows of heads [h0, h1), so the head-by-head compute that follows
-// hits L1/L2. A block's [block_size, Hkv, D] rows are contiguous, so a chunk is a few address-contiguous runs (K and
-// V of each block); their lines are read in turn, one line of each run, which keeps several hardware-prefetch
-// streams busy at once instead of one. Measured at 64 x 256 and 64 x 512 slots, 1 thread: reading before computing
-// beats computing straight from DRAM, the runs in turn beat them one after another, and software prefetch (next
-// chunk, into L1 or L2, alone or with this pass) was slower (docs/benchmarks.md).
+// Reads every cache line of the K and V rows of all KV heads of slots [c0, c1) of a sequence, so the head-by-head
+// compute that follows hits L1/L2. A block's [block_size, Hkv, D] rows are contiguous, so the range is a few
+// address-contiguous runs (K and V of each block it touches); their lines are read in turn, one line of each run,
+// which keeps several hardware-prefetch streams busy at once instead of one. Measured at 64 x 256 and 64 x 512
+// slots, 1 thread (docs/benchmarks.md): reading before computing beats computing straight from DRAM, the runs in
+// turn beat them one after another, a range of kStreamChunks chunks beats one chunk, and software prefetch of the
+// next range (into L1 or L2, at once or spread over the compute) gained nothing.
 template <typename T>
-inline void stream_chunk(const Problem& P, const int64_t* off, int64_t n, int64_t h0, int64_t h1) {
+inline void stream_range(const Problem& P, const int32_t* pages, int64_t c0, int64_t c1) {
   const char* cache = static_cast<const char*>(P.cache);
-  const int64_t row = (h1 - h0) * P.d * static_cast<int64_t>(sizeof(T));
-  const bool whole = h1 - h0 == P.hkv;  // a slot's rows of heads [h0, h1) are then contiguous with the next slot's
-  // runs of address-contiguous bytes: K and V of each block the chunk touches (of each slot when heads are split)
-  std::array<const char*, 2 * kChunk> start;
-  std::array<int64_t, 2 * kChunk> len;
+  const int64_t slot_bytes = P.slot_stride * static_cast<int64_t>(sizeof(T));
+  constexpr int kMaxRuns = 64;
+  std::array<const char*, kMaxRuns> start;
+  std::array<int64_t, kMaxRuns> len;
   int64_t runs = 0, longest = 0;
-  for (int64_t j = 0; j < n;) {
-    int64_t e = j + 1;
-    if (whole)
-      while (e < n && off[e] == off[e - 1] + P.slot_stride) ++e;
-    const char* k = cache + (off[j] + h0 * P.d) * sizeof(T);
-    const int64_t b = (e - j) * row;  // whole: row == one slot's stride in bytes
-    start[runs] = k, len[runs++] = b;
-    start[runs] = k + P.v_offset * sizeof(T), len[runs++] = b;
-    longest = std::max(longest, b);
-    j = e;
+  auto read = [&] {  // volatile byte loads: kept by the compiler, independent of each other (no add chain)
+    for (int64_t b = 0; b < longest; b += 64)
+      for (int64_t r = 0; r < runs; ++r)
+        if (b < len[r]) (void)static_cast<const volatile char*>(start[r])[b];
+    runs = longest = 0;
+  };
+  for (int64_t c = c0; c < c1;) {
+    const int64_t p = c / P.bs, e = std::min<int64_t>(c1, (p + 1) * P.bs);
+    const char* k = cache + (pages[p] * P.block_stride + (c - p * P.bs) * P.slot_stride) * sizeof(T);
+    start[runs] = k, len[runs++] = (e - c) * slot_bytes;
+    start[runs] = k + P.v_offset * sizeof(T), len[runs++] = (e - c) * slot_bytes;
+    longest = std::max(longest, (e - c) * slot_bytes);
+    if (runs == kMaxRuns) read();
+    c = e;
   }
-  // volatile byte loads: kept by the compiler, and independent of each other (no add chain to wait on)
-  for (int64_t b = 0; b < longest; b += 64)
-    for (int64_t r = 0; r < runs; ++r)
-      if (b < len[r]) (void)static_cast<const volatile char*>(start[r])[b];
+  read();
 }
 
 // Row pointers of the chunk's slots for KV head h: into the cache when the kernels read its type (E == T), else
@@ -180,6 +182,12 @@ inline void chunk_rows(const Problem& P, const int64_t* off, int64_t n, int64_t 
       sc.kp[j] = kd;
       sc.vp[j] = vd;
     }
+  }
+  // kernels that take keys 16 at a time read past n up to the next multiple of 16: valid rows whose scores are
+  // never used (softmax and accumulate stop at each row's nv <= n)
+  for (int64_t j = n; j < kChunk && n > 0; ++j) {
+    sc.kp[j] = sc.kp[n - 1];
+    sc.vp[j] = sc.vp[n - 1];
   }
 }
 
@@ -468,9 +476,96 @@ inline void pv_rows512(const Rows<E>& R, int64_t r0, int64_t jmax) {
   for (; c < R.d; c += 16) pv_block512<MB, 1>(R, r0, jmax, c);
 }
 
-struct Avx512 : Avx2 {  // softmax pieces inherited (AVX2)
+// Scores 16 keys at a time, with no horizontal sum per dot product: each (row, key) accumulator holds 16 partial
+// sums, and a transpose-and-add tree turns the 16 accumulators of a row into one vector of its 16 scores in key
+// order (45 shuffles/adds per 16 dot products; the per-dot horizontal sums of dots512 cost as much as the FMAs).
+#define KVLLM_INLINE inline __attribute__((always_inline))
+
+// keys (a0, a1, a2, a3) -> per 128-bit lane L: [sum of a0's 4 lanes in L, a1's, a2's, a3's]
+KVLLM_INLINE __m512 tree4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 b01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));  // a0 in 0,2; a1 in 1,3
+  const __m512 b23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  return _mm512_add_ps(_mm512_shuffle_ps(b01, b23, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(b01, b23, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+// two vectors of 4-key groups per 128-bit lane, x = [x0 x1 x2 x3], y = [y0 y1 y2 y3] (lanes) ->
+// [x0 + x1, x2 + x3, y0 + y1, y2 + y3]: applied twice, four lanes of partial sums per key become one
+KVLLM_INLINE __m512 fold_lanes(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// MB rows x 4 keys (k[0..3]) over DV 16-float columns: per row, tree4 of its 4 accumulators
+template <int MB, int DV, typename E>
+KVLLM_INLINE void quad512(const float* q, int64_t d, const E* const* k, __m512* c) {
+  __m512 acc[MB][4];
+  for (int r = 0; r < MB; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int v = 0; v < DV; ++v) {
+    __m512 kv[4];
+    for (int j = 0; j < 4; ++j) kv[j] = load16(k[j] + 16 * v);
+    for (int r = 0; r < MB; ++r) {
+      const __m512 qv = _mm512_loadu_ps(q + r * d + 16 * v);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(qv, kv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MB; ++r) c[r] = tree4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
+// s[r][j0, j0 + 16) for rows r0..r0+MB (keys j0..j0+15 must be valid pointers; see chunk_rows)
+template <int MB, int DV, typename E>
+KVLLM_INLINE void score16(const Rows<E>& R, int64_t r0, int64_t j0) {
+  const float* q = R.q + r0 * R.d;
+  __m512 c0[MB], c1[MB], half[MB];
+  quad512<MB, DV>(q, R.d, R.kp + j0, c0);
+  quad512<MB, DV>(q, R.d, R.kp + j0 + 4, c1);
+  for (int r = 0; r < MB; ++r) half[r] = fold_lanes(c0[r], c1[r]);  // keys 0-7, two lanes each
+  quad512<MB, DV>(q, R.d, R.kp + j0 + 8, c0);
+  quad512<MB, DV>(q, R.d, R.kp + j0 + 12, c1);
+  for (int r = 0; r < MB; ++r)
+    _mm512_storeu_ps(R.s + (r0 + r) * kChunk + j0, fold_lanes(half[r], fold_lanes(c0[r], c1[r])));
+}
+
+template <int MB, int DV, typename E>
+inline void score_rows16(const Rows<E>& R, int64_t r0, int64_t jmax) {
+  for (int64_t j0 = 0; j0 < jmax; j0 += 16) score16<MB, DV>(R, r0, j0);
+}
+
+template <int DV, typename E>
+inline void scores_tree(const Rows<E>& R) {
+  int64_t r = 0;
+  for (; r + 3 <= R.n; r += 3) {
+    const int64_t jm = block_jmax(R, r, 3);
+    if (jm) score_rows16<3, DV>(R, r, jm);
+  }
+  for (; r < R.n; ++r)
+    if (R.nv[r]) score_rows16<1, DV>(R, r, R.nv[r]);
+}
+
+// 2^x as exp2_avx (csrc/simd.h: same clamp and polynomial), 16 lanes; 2^n applied by scalef
+KVLLM_INLINE __m512 exp2_512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-126.f)), _mm512_set1_ps(126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+KVLLM_INLINE __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }  // n in [0, 16]
+
+struct Avx512 : Avx2 {
   template <typename E>
   static void scores(const Rows<E>& R) {
+    if (R.d == 64) return scores_tree<4>(R);
+    if (R.d == 128) return scores_tree<8>(R);
     int64_t r = 0;
     for (; r + 3 <= R.n; r += 3) {
       int64_t jm = block_jmax(R, r, 3);
@@ -489,6 +584,27 @@ struct Avx512 : Avx2 {  // softmax pieces inherited (AVX2)
     for (; r < R.n; ++r)
       if (R.nv[r]) pv_rows512<1>(R, r, R.nv[r]);
   }
+  static float row_max(const float* x, int64_t n, float mx) {
+    __m512 m = _mm512_set1_ps(mx);
+    for (int64_t j = 0; j < n; j += 16)
+      m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, tail_mask(std::min<int64_t>(16, n - j)), x + j));
+    return _mm512_reduce_max_ps(m);
+  }
+  static float exp2_shift(float* x, int64_t n, float mx) {
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = tail_mask(std::min<int64_t>(16, n - j));
+      const __m512 e = exp2_512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j), m));
+      _mm512_mask_storeu_ps(x + j, k, e);
+      acc = _mm512_mask_add_ps(acc, k, acc, e);
+    }
+    return _mm512_reduce_add_ps(acc);
+  }
+  static void scale_row(float* o, int64_t d, float c) {
+    const __m512 cv = _mm512_set1_ps(c);
+    for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_loadu_ps(o + i), cv));
+  }
 };
 
 #pragma GCC pop_options
@@ -497,7 +613,7 @@ struct Avx512 : Avx2 {  // softmax pieces inherited (AVX2)
 // ---- one work item -------------------------------------------------------------------------------------
 // Item rows are ordered (KV head, query token, head in group). An item normally covers all KV heads: the K (and
 // V) rows of all heads of a slot are contiguous in a block ([block_size, Hkv, D]), so each chunk of slots is
-// first read into cache (stream_chunk), then computed head by head from there.
+// first read into cache (stream_range), then computed head by head from there.
 template <typename K, typename T, typename E = typename K::template Elem<T>>
 void run_item(const Problem& P, const Item& it, Scratch<E>& sc) {
   const int64_t d = P.d, g = P.g;
@@ -517,7 +633,9 @@ void run_item(const Problem& P, const Item& it, Scratch<E>& sc) {
   for (int64_t c0 = 0; c0 < end; c0 += kChunk) {
     const int64_t c1 = std::min<int64_t>(c0 + kChunk, end), n = c1 - c0;
     slot_offsets(P, pages, c0, c1, sc.off.data());
-    if (it.h1 - it.h0 > 1) stream_chunk<T>(P, sc.off.data(), n, it.h0, it.h1);
+    // all heads in the item: read the next kStreamChunks chunks' rows into cache (split heads: straight from memory)
+    if (it.h1 - it.h0 == P.hkv && P.hkv > 1 && c0 % (kStreamChunks * kChunk) == 0)
+      stream_range<T>(P, pages, c0, std::min<int64_t>(end, c0 + kStreamChunks * kChunk));
     for (int64_t rr = 0; rr < rows_h; ++rr)
       sc.nv[rr] = static_cast<int32_t>(std::clamp<int64_t>(first + rr / g - c0 + 1, 0, n));
     for (int64_t hh = it.h0; hh < it.h1; ++hh) {

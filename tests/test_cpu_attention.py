@@ -99,7 +99,10 @@ MIXED_PREFIX = {0: 0, 1: 8, 2: 7, 3: 15, 4: 0, 5: 3, 6: 90, 7: 40}
 
 @pytest.mark.parametrize("level", KERNELS)
 @pytest.mark.parametrize("bs", [1, 4, 16])
-@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (6, 2, 8), (3, 3, 32), (8, 1, 16), (4, 2, 12)])
+# head_dim 64 and 128 take the AVX-512 kernel's 16-keys-at-a-time scores; 16 query heads per KV head: row blocks
+# of 3 and single rows
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (6, 2, 8), (3, 3, 32), (8, 1, 16), (4, 2, 12),
+                                      (6, 2, 128), (16, 1, 64)])
 def test_mixed_prefill_and_decode_match_reference(level, bs, hq, hkv, d):
     cache, meta, q, k, v = make_step(MIXED_Q, MIXED_PREFIX, hq, hkv, d, bs, seed=bs + hq)
     out = run(kernel(level), meta, q, k, v, cache, 1 / math.sqrt(d))
@@ -180,10 +183,11 @@ def test_half_types_close_to_reference(dtype):
 
 @pytest.mark.parametrize("level", KERNELS)
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
-def test_half_cache_with_float32_queries(level, kv_dtype):
+@pytest.mark.parametrize("d", [16, 64])
+def test_half_cache_with_float32_queries(level, kv_dtype, d):
     """A half-precision KV cache read by float32 queries (rows upcast per chunk); the reference sees the same
     half-precision K/V values, so the only error is float32 arithmetic."""
-    cache, meta, q, k, v = make_step(MIXED_Q, MIXED_PREFIX, 6, 2, 16, 4, seed=12)
+    cache, meta, q, k, v = make_step(MIXED_Q, MIXED_PREFIX, 6, 2, d, 4, seed=12)
     cache = cache.to(kv_dtype)
     out = run(kernel(level), meta, q, k, v, cache, 0.25)
     assert out.dtype == torch.float32
