@@ -132,36 +132,26 @@ inline void slot_offsets(const Problem& P, const int32_t* pages, int64_t c0, int
 }
 
 // Reads every cache line of the K and V rows of all KV heads of slots [c0, c1) of a sequence, so the head-by-head
-// compute that follows hits L1/L2. A block's [block_size, Hkv, D] rows are contiguous, so the range is a few
-// address-contiguous runs (K and V of each block it touches); their lines are read in turn, one line of each run,
-// which keeps several hardware-prefetch streams busy at once instead of one. Measured at 64 x 256 and 64 x 512
-// slots, 1 thread (docs/benchmarks.md): reading before computing beats computing straight from DRAM, the runs in
-// turn beat them one after another, a range of kStreamChunks chunks beats one chunk, and software prefetch of the
-// next range (into L1 or L2, at once or spread over the compute) gained nothing.
+// compute that follows hits L1/L2. A block's [block_size, Hkv, D] rows are contiguous (K, then V right after), so
+// the range is a few address-contiguous runs, read one after another, line by line, in address order. Measured on
+// this repository's benchmark machine (AMD Zen 5, 64 x 512 slots, 1 thread; docs/benchmarks.md): reading before
+// computing beats computing straight from DRAM, runs in address order beat visiting the runs' lines in turn
+// (1.25x), a range of a few chunks beats one chunk, and software prefetch of the next range (into L1 or L2, at
+// once or spread over the compute) gained nothing.
 template <typename T>
 inline void stream_range(const Problem& P, const int32_t* pages, int64_t c0, int64_t c1) {
   const char* cache = static_cast<const char*>(P.cache);
   const int64_t slot_bytes = P.slot_stride * static_cast<int64_t>(sizeof(T));
-  constexpr int kMaxRuns = 64;
-  std::array<const char*, kMaxRuns> start;
-  std::array<int64_t, kMaxRuns> len;
-  int64_t runs = 0, longest = 0;
-  auto read = [&] {  // volatile byte loads: kept by the compiler, independent of each other (no add chain)
-    for (int64_t b = 0; b < longest; b += 64)
-      for (int64_t r = 0; r < runs; ++r)
-        if (b < len[r]) (void)static_cast<const volatile char*>(start[r])[b];
-    runs = longest = 0;
+  auto read = [](const char* p, int64_t n) {  // volatile byte loads: kept, and independent of each other
+    for (int64_t b = 0; b < n; b += 64) (void)static_cast<const volatile char*>(p)[b];
   };
   for (int64_t c = c0; c < c1;) {
     const int64_t p = c / P.bs, e = std::min<int64_t>(c1, (p + 1) * P.bs);
     const char* k = cache + (pages[p] * P.block_stride + (c - p * P.bs) * P.slot_stride) * sizeof(T);
-    start[runs] = k, len[runs++] = (e - c) * slot_bytes;
-    start[runs] = k + P.v_offset * sizeof(T), len[runs++] = (e - c) * slot_bytes;
-    longest = std::max(longest, (e - c) * slot_bytes);
-    if (runs == kMaxRuns) read();
+    read(k, (e - c) * slot_bytes);
+    read(k + P.v_offset * sizeof(T), (e - c) * slot_bytes);
     c = e;
   }
-  read();
 }
 
 // Row pointers of the chunk's slots for KV head h: into the cache when the kernels read its type (E == T), else
@@ -732,11 +722,12 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::
                       "qo_indptr and kv_indptr must be non-decreasing");
   std::vector<int32_t> kv_lens(B);
   const int64_t g = hq / hkv;
-  // All KV heads in one item (contiguous reads, see run_item) unless that leaves fewer than 4 items per
-  // thread; then one item per KV head so small batches still use every thread.
+  // All KV heads in one item (contiguous reads, streamed into cache: see run_item) unless that leaves a thread
+  // without an item; then one item per KV head. Even 3 long sequences on 2 threads (2 items on one thread) ran
+  // faster whole than split into heads, which read each head's rows straight from memory (docs/benchmarks.md).
   int64_t tiles = 0;
   for (int64_t b = 0; b < B; ++b) tiles += (qo[b + 1] - qo[b] + kTileTokens - 1) / kTileTokens;
-  const int64_t heads_per_item = tiles >= 4 * at::get_num_threads() ? hkv : 1;
+  const int64_t heads_per_item = tiles >= at::get_num_threads() ? hkv : 1;
   std::vector<Item> items;
   std::vector<int64_t> cost;  // per item: attended slots summed over its query tokens, plus a fixed overhead
   for (int64_t b = 0; b < B; ++b) {

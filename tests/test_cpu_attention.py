@@ -233,6 +233,23 @@ def test_two_threads_give_the_same_result():
     assert torch.equal(one, two)  # every item is computed by one thread in a fixed order
 
 
+def test_fewer_sequences_than_threads_split_into_heads():
+    """One decode sequence on 2 threads: the kernel splits it into one item per KV head (no cache streaming);
+    the same per-head arithmetic as the whole-sequence item of 1 thread, and the float64 reference."""
+    cache, meta, q, k, v = make_step({0: 1}, {0: 700}, 9, 3, 64, 16, seed=9)
+    backend = CpuPagedBackend()
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(backend, meta, q, k, v, cache, 0.125)
+        torch.set_num_threads(2)
+        two = run(backend, meta, q, None, None, cache, 0.125)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(one, two)
+    assert max_err(two, cache, meta, q, 0.125) < 1e-5
+
+
 def test_plan_reused_over_layers_and_replanned():
     """One plan for all layers of a step; a new step's metadata works without a stale state."""
     backend = CpuPagedBackend()
