@@ -1,0 +1,141 @@
+"""The CPU paged-attention kernel of this checkout against the kernel of another commit, build against build.
+
+    .venv/bin/python -m bench.kernel_ab --base <rev> [--rounds 3] [--no-write]
+
+A kernel change cannot be timed against its predecessor in one process (one library per source hash), so this
+checks `<rev>` out into a git worktree under build/kernel_ab/ (sharing this checkout's .venv; its kernel builds
+into its own build/) and runs the same probe (this file, `--probe`) against each side's own engine package,
+alternating the sides `--rounds` times. The probe times one attention layer call of decode tokens through the
+public backend API (engine.attention.get_backend('cpu'), build_metadata, paging.kv_cache.KVCache, so K/V sit in
+the engine's huge-page pool), K/V write included, cycling over 8 layers' pages so K/V come from memory as in a
+real step; the median over repeats per run, then the median over runs per side. Shapes: SmolLM2's attention
+(9 query / 3 KV heads, head_dim 64, float32, block size 16, shuffled block tables); 64 sequences at ~256 / ~512
+slots (the offline workloads) and a few long sequences (the memory-limited workload's batch).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = [(64, 256), (64, 512), (6, 1024), (3, 1536)]  # (decode sequences, ~KV slots each)
+HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 8
+
+
+def probe(threads: list[int], repeats: int) -> dict:
+    """Runs inside one side's checkout (cwd, PYTHONPATH): {"batch x slots|threads": median seconds per call}."""
+    sys.path.insert(0, os.getcwd())
+    from engine.threads import configure_threads
+
+    configure_threads(1, wait_policy="passive")
+    import random
+
+    import torch
+
+    from engine.attention import build_metadata, get_backend
+    from paging.kv_cache import KVCache
+
+    backend = get_backend("cpu", "cpu")
+    out = {}
+    for num_seqs, slots in SHAPES:
+        rng = random.Random(0)
+        num_blocks = num_seqs * (-(-(slots + 8) // BS)) + 8
+        free = list(range(num_blocks))
+        rng.shuffle(free)
+        tables, kv_lens = [], []
+        for _ in range(num_seqs):
+            n = slots + rng.randint(-8, 8)
+            tables.append([free.pop() for _ in range(-(-n // BS))])
+            kv_lens.append(n)
+        meta = build_metadata(tables, [1] * num_seqs, kv_lens, BS)
+        cache = KVCache(LAYERS, num_blocks, BS, HKV, D, torch.float32)
+        g = torch.Generator().manual_seed(0)
+        for layer in cache.layers:
+            layer.copy_(torch.randn(layer.shape, generator=g))
+        q, k, v = (torch.randn(num_seqs, h, D, generator=g) for h in (HQ, HKV, HKV))
+        backend.plan(meta, HQ, HKV, D, torch.float32)
+        for n in threads:
+            torch.set_num_threads(n)
+            times = []
+            for r in range(repeats + 1):
+                t0 = time.perf_counter()
+                for layer in cache.layers:
+                    backend.forward(q, k, v, layer, meta, D ** -0.5)
+                if r:  # the first pass warms up
+                    times.append((time.perf_counter() - t0) / LAYERS)
+            out[f"{num_seqs} x ~{slots}|{n}"] = statistics.median(times)
+    return out
+
+
+def worktree(rev: str) -> Path:
+    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    path = ROOT / "build" / "kernel_ab" / sha
+    if not path.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(path), sha], cwd=ROOT, check=True,
+                       capture_output=True)
+    if not (path / ".venv").exists():
+        (path / ".venv").symlink_to(ROOT / ".venv")
+    return path
+
+
+def run_side(repo: Path, threads: str, repeats: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), str(Path(__file__).resolve()), "--probe",
+                          "--threads", threads, "--repeats", str(repeats)], cwd=repo, env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", help="commit whose kernel is the baseline")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.probe:
+        print(json.dumps(probe([int(t) for t in args.threads.split(",")], args.repeats)))
+        return
+    if not args.base:
+        ap.error("--base is required")
+    base = worktree(args.base)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True, capture_output=True,
+                          text=True).stdout.strip()
+    runs: dict[str, list[dict]] = {"base": [], "head": []}
+    for i in range(args.rounds):
+        for side, repo in (("base", base), ("head", ROOT)):
+            runs[side].append(run_side(repo, args.threads, args.repeats))
+            print(f"round {i + 1}: {side} done", file=sys.stderr)
+    lines = ["| decode sequences x KV slots | threads | base | this checkout | speed-up | runs (base / this) |",
+             "|---|---:|---:|---:|---:|---|"]
+    for key in runs["head"][0]:
+        b = [r[key] * 1e3 for r in runs["base"]]
+        h = [r[key] * 1e3 for r in runs["head"]]
+        shape, n = key.split("|")
+        lines.append(f"| {shape} | {n} | {statistics.median(b):.2f} ms | {statistics.median(h):.2f} ms "
+                     f"| {statistics.median(b) / statistics.median(h):.2f}x "
+                     f"| {' '.join(f'{x:.2f}' for x in b)} / {' '.join(f'{x:.2f}' for x in h)} |")
+    note = (f"Base {args.base} ({base.name}) vs this checkout ({head}); one attention layer call (decode, K/V write "
+            f"included), median of {args.repeats} passes over {LAYERS} layers' pages per run, then the median of "
+            f"{args.rounds} runs per side, the sides alternating run by run.")
+    table = "\n".join(lines) + "\n\n" + note
+    print(table)
+    if not args.no_write:
+        sys.path.insert(0, str(ROOT))
+        from bench.common import write_section
+
+        write_section("Attention kernel: this build against an earlier one",
+                      f"python -m bench.kernel_ab --base {args.base} --rounds {args.rounds}", table)
+
+
+if __name__ == "__main__":
+    main()
