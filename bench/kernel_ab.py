@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(64, 256), (64, 512), (6, 1024), (3, 1536)]  # (decode sequences, ~KV slots each)
-HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 8
+LAYERS = 8  # distinct layers' pages cycled, so K/V come from memory
 
 
 def probe(threads: list[int], repeats: int) -> dict:
@@ -34,26 +34,18 @@ def probe(threads: list[int], repeats: int) -> dict:
     from engine.threads import configure_threads
 
     configure_threads(1, wait_policy="passive")
-    import random
-
     import torch
 
-    from engine.attention import build_metadata, get_backend
+    # the side's own SmolLM2 attention shape and decode tables (kv_len in slots +- 8, shuffled blocks)
+    from bench.cpu_attention import BS, D, HKV, HQ, decode_meta
+    from engine.attention import get_backend
     from paging.kv_cache import KVCache
 
     backend = get_backend("cpu", "cpu")
     out = {}
     for num_seqs, slots in SHAPES:
-        rng = random.Random(0)
         num_blocks = num_seqs * (-(-(slots + 8) // BS)) + 8
-        free = list(range(num_blocks))
-        rng.shuffle(free)
-        tables, kv_lens = [], []
-        for _ in range(num_seqs):
-            n = slots + rng.randint(-8, 8)
-            tables.append([free.pop() for _ in range(-(-n // BS))])
-            kv_lens.append(n)
-        meta = build_metadata(tables, [1] * num_seqs, kv_lens, BS)
+        meta = decode_meta(num_seqs, slots, num_blocks)
         cache = KVCache(LAYERS, num_blocks, BS, HKV, D, torch.float32)
         g = torch.Generator().manual_seed(0)
         for layer in cache.layers:

@@ -58,6 +58,12 @@ inline float hsum(__m256 a) {
   return _mm_cvtss_f32(x);
 }
 
+// 1/k! (ln 2)^k for k = 7..0: 2^f's degree-7 Taylor polynomial in Horner order (exp2_avx, and exp2_512 in
+// csrc/kvllm_cpu.cpp, which must give the same values)
+constexpr float kExp2Poly[8] = {1.525273380405984e-05f, 1.5403530393381606e-04f, 1.3333558146428443e-03f,
+                                9.618129107628477e-03f, 5.550410866482158e-02f, 2.402265069591007e-01f,
+                                6.931471805599453e-01f, 1.f};
+
 // 2^x for x in [-126, 126] (clamped there): x = n + f, |f| <= 1/2, 2^f by its degree-7 Taylor polynomial
 // (relative error < 1e-8), 2^n through the exponent bits. At -126, 2^n is still a normal float (2^-126 is ~1e-38:
 // nil next to an online-softmax row's max term, which is 1).
@@ -65,14 +71,8 @@ inline __m256 exp2_avx(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-126.f)), _mm256_set1_ps(126.f));
   __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-02f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }

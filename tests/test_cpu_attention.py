@@ -218,18 +218,24 @@ def test_the_check_catches_wrong_kernels():
     assert max_err(out, cache, meta, q, 0.25, group=lambda h, hq, hkv: h % hkv) > 1e-2
 
 
-def test_two_threads_give_the_same_result():
-    cache, meta, q, k, v = make_step({s: 1 for s in range(16)} | {16: 30}, {s: 20 + 7 * s for s in range(17)},
-                                     9, 3, 64, 16, seed=8)
+def on_one_then_two_threads(meta, q, k, v, cache, scale):
+    """The kernel's output on 1 thread (writing the step's K/V), then on 2 (K/V already written)."""
     backend = CpuPagedBackend()
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = run(backend, meta, q, k, v, cache, 0.125)
+        one = run(backend, meta, q, k, v, cache, scale)
         torch.set_num_threads(2)
-        two = run(backend, meta, q, None, None, cache, 0.125)  # K/V already written
+        two = run(backend, meta, q, None, None, cache, scale)
     finally:
         torch.set_num_threads(saved)
+    return one, two
+
+
+def test_two_threads_give_the_same_result():
+    cache, meta, q, k, v = make_step({s: 1 for s in range(16)} | {16: 30}, {s: 20 + 7 * s for s in range(17)},
+                                     9, 3, 64, 16, seed=8)
+    one, two = on_one_then_two_threads(meta, q, k, v, cache, 0.125)
     assert torch.equal(one, two)  # every item is computed by one thread in a fixed order
 
 
@@ -237,15 +243,7 @@ def test_fewer_sequences_than_threads_split_into_heads():
     """One decode sequence on 2 threads: the kernel splits it into one item per KV head (no cache streaming);
     the same per-head arithmetic as the whole-sequence item of 1 thread, and the float64 reference."""
     cache, meta, q, k, v = make_step({0: 1}, {0: 700}, 9, 3, 64, 16, seed=9)
-    backend = CpuPagedBackend()
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run(backend, meta, q, k, v, cache, 0.125)
-        torch.set_num_threads(2)
-        two = run(backend, meta, q, None, None, cache, 0.125)
-    finally:
-        torch.set_num_threads(saved)
+    one, two = on_one_then_two_threads(meta, q, k, v, cache, 0.125)
     assert torch.equal(one, two)
     assert max_err(two, cache, meta, q, 0.125) < 1e-5
 
