@@ -378,10 +378,12 @@ struct Avx2 {
 #pragma GCC pop_options
 
 // ---- AVX-512 kernels (D % 16 == 0) ---------------------------------------------------------------------
-// Same loops as Avx2 on 16-float vectors. On cores with full-width 512-bit FMA units (AMD Zen 5, Intel server
-// cores) one instruction does twice the work, and the decode layer call is bound by these FMAs, not by the K/V
-// bytes (docs/benchmarks.md). The softmax bookkeeping on a 32-slot chunk stays AVX2.
-// The loops repeat Avx2's on purpose: one template shared by both `#pragma GCC target` regions would be
+// The accumulation repeats Avx2's loops on 16-float vectors; at head_dim 64 and 128 scores take 16 keys at a time
+// (score16 below; other head_dims dots512), and the softmax bookkeeping runs on 16 lanes with masked tails. On
+// cores with full-width 512-bit FMA units (AMD Zen 5, Intel server cores) one instruction does twice the work; a
+// decode layer call from DRAM is then bound by reading the K/V rows (docs/benchmarks.md, "Attention kernel: this
+// build against an earlier one").
+// The accumulation loops repeat Avx2's on purpose: one template shared by both `#pragma GCC target` regions would be
 // compiled with the target of its definition, i.e. AVX-512 code in the AVX2 instantiation (SIGILL on AVX2-only CPUs).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx2,fma,f16c")
@@ -468,7 +470,8 @@ inline void pv_rows512(const Rows<E>& R, int64_t r0, int64_t jmax) {
 
 // Scores 16 keys at a time, with no horizontal sum per dot product: each (row, key) accumulator holds 16 partial
 // sums, and a transpose-and-add tree turns the 16 accumulators of a row into one vector of its 16 scores in key
-// order (45 shuffles/adds per 16 dot products; the per-dot horizontal sums of dots512 cost as much as the FMAs).
+// order (45 shuffles/adds per 16 dot products; dots512's horizontal sum per dot product costs about as much as its
+// FMAs).
 #define KVLLM_INLINE inline __attribute__((always_inline))
 
 // keys (a0, a1, a2, a3) -> per 128-bit lane L: [sum of a0's 4 lanes in L, a1's, a2's, a3's]
@@ -596,8 +599,8 @@ struct Avx512 : Avx2 {
 
 // ---- one work item -------------------------------------------------------------------------------------
 // Item rows are ordered (KV head, query token, head in group). An item normally covers all KV heads: the K (and
-// V) rows of all heads of a slot are contiguous in a block ([block_size, Hkv, D]), so each chunk of slots is
-// first read into cache (stream_range), then computed head by head from there.
+// V) rows of all heads of a slot are contiguous in a block ([block_size, Hkv, D]), so the slots are
+// read into cache kStreamChunks chunks at a time (stream_range), then computed head by head from there.
 template <typename K, typename T, typename E = typename K::template Elem<T>>
 void run_item(const Problem& P, const Item& it, Scratch<E>& sc) {
   const int64_t d = P.d, g = P.g;
