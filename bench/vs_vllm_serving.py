@@ -119,15 +119,16 @@ class Server:
         return out
 
 
-def vllm_server(model_dir: Path, port: int, threads: int, log: Path, *, kv_gib: int | None, flags: list[str]):
+def vllm_server(model_dir: Path, port: int, threads: int, log: Path, *, kv_gib: int | None, flags: list[str],
+                dtype: str = "float32"):
     cmd = [str(VENV / "bin" / "vllm"), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", SERVED_NAME, "--dtype", "float32", "--seed", "0", "--uvicorn-log-level", "warning", *flags]
+           "--served-model-name", SERVED_NAME, "--dtype", dtype, "--seed", "0", "--uvicorn-log-level", "warning", *flags]
     return Server("vllm", cmd, vllm_env(threads, kv_gib), port, log)
 
 
-def kvllm_server(model_dir: Path, port: int, threads: int, log: Path, *, flags: list[str]):
+def kvllm_server(model_dir: Path, port: int, threads: int, log: Path, *, flags: list[str], dtype: str = "float32"):
     cmd = [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", SERVED_NAME, "--dtype", "float32", "--seed", "0", "--threads", str(threads),
+           "--served-model-name", SERVED_NAME, "--dtype", dtype, "--seed", "0", "--threads", str(threads),
            "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *flags]
     return Server("kvllm", cmd, {**os.environ, "TQDM_DISABLE": "1"}, port, log)
 

@@ -232,17 +232,6 @@ struct Portable {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-// 8 consecutive K/V elements as floats: half-precision caches are widened in registers (bf16 is the high half of a
-// float; fp16 through F16C), so a half cache is read at half the bytes with no conversion pass through memory.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 load8(const c10::BFloat16* p) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-
 // MB query rows x NK keys of dot products, D/8 FMAs each; the NK=4 sums are reduced with two hadd levels.
 template <int MB, int NK, typename E>
 inline void dots(const float* const* q, const E* const* k, int64_t d, float* const* out) {

@@ -1,4 +1,5 @@
-// The elementwise work of a decoder layer as few CPU calls (torch.ops.kvllm_cpu.*), float32 activations:
+// The elementwise work of a decoder layer as few CPU calls (torch.ops.kvllm_cpu.*), float32 or bfloat16 activations
+// (computed in float32; bfloat16 results rounded where torch's bfloat16 ops round):
 //   rms_norm(x, weight, eps, out, residual?)  out = RMSNorm(x); with a residual: residual += x, out = RMSNorm(residual)
 //   rope_(q, k, cos, sin)                     rotate-half RoPE, in place, on q [T, Hq, D] and k [T, Hkv, D]
 //   silu_mul(x, out)                          out = silu(x[:, :I]) * x[:, I:]   (x = the fused gate/up projection)
@@ -35,121 +36,158 @@ void for_rows(int64_t rows, int64_t work_per_row, const F& f) {
 }
 
 void check_rows(const at::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == dim && t.stride(-1) == 1,
-                    name, " must be a float32 CPU tensor of ", dim, " dimensions whose last dimension is contiguous");
+  TORCH_CHECK_VALUE(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) &&
+                        t.dim() == dim && t.stride(-1) == 1,
+                    name, " must be a float32 or bfloat16 CPU tensor of ", dim,
+                    " dimensions whose last dimension is contiguous");
 }
 
+void check_same_dtype(const at::Tensor& t, const at::Tensor& like, const char* name, const char* like_name) {
+  TORCH_CHECK_VALUE(t.scalar_type() == like.scalar_type(), name, " must have ", like_name, "'s dtype (",
+                    like.scalar_type(), "), got ", t.scalar_type());
+}
+
+// Rows are float32 or bfloat16 (T); the arithmetic is float32. A bfloat16 result is rounded wherever torch's own
+// bfloat16 ops round (engine/models/layer_ops.py TorchLayerOps): the residual sum, x * inv before the weight,
+// silu(gate) before the multiply, and every stored value.
+template <typename T>
+inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
+
 // ---- portable loops --------------------------------------------------------------------------------------
-float sum_squares_portable(const float* x, int64_t n) {
+template <typename T>
+float sum_squares_portable(const T* x, int64_t n) {
   float acc = 0.f;
-  for (int64_t i = 0; i < n; ++i) acc += x[i] * x[i];
+  for (int64_t i = 0; i < n; ++i) acc += static_cast<float>(x[i]) * static_cast<float>(x[i]);
   return acc;
 }
 
-void add_rows_portable(float* res, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) res[i] += x[i];
+template <typename T>
+void add_rows_portable(T* res, const T* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) res[i] = static_cast<T>(static_cast<float>(res[i]) + static_cast<float>(x[i]));
 }
 
-void scale_rows_portable(float* out, const float* x, const float* w, float inv, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+template <typename T>
+void scale_rows_portable(T* out, const T* x, const T* w, float inv, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = static_cast<T>(static_cast<float>(w[i]) * rnd<T>(static_cast<float>(x[i]) * inv));
 }
 
-void rope_row_portable(float* x, const float* c, const float* s, int64_t half) {
+template <typename T>
+void rope_row_portable(T* x, const float* c, const float* s, int64_t half) {
   for (int64_t i = 0; i < half; ++i) {
-    const float x1 = x[i], x2 = x[i + half];
-    x[i] = x1 * c[i] - x2 * s[i];
-    x[i + half] = x2 * c[i] + x1 * s[i];
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+    x[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
+    x[i + half] = static_cast<T>(x2 * c[i] + x1 * s[i]);
   }
 }
 
-void silu_mul_row_portable(float* out, const float* gate, const float* up, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+template <typename T>
+void silu_mul_row_portable(T* out, const T* gate, const T* up, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = static_cast<float>(gate[i]);
+    out[i] = static_cast<T>(rnd<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
+  }
 }
 
-// ---- AVX2 loops ------------------------------------------------------------------------------------------
+// ---- AVX2 loops (simd.h's load8 / store8 / round8 widen and round bfloat16 rows in registers) ---------------
 #ifdef KVLLM_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-float sum_squares_avx2(const float* x, int64_t n) {
+template <typename T>
+float sum_squares_avx2(const T* x, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    const __m256 v0 = load8(x + i), v1 = load8(x + i + 8);
     a0 = _mm256_fmadd_ps(v0, v0, a0);
     a1 = _mm256_fmadd_ps(v1, v1, a1);
   }
   for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 v = load8(x + i);
     a0 = _mm256_fmadd_ps(v, v, a0);
   }
   float sum = hsum(_mm256_add_ps(a0, a1));
-  for (; i < n; ++i) sum += x[i] * x[i];
+  for (; i < n; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
   return sum;
 }
 
-void add_rows_avx2(float* res, const float* x, int64_t n) {
+template <typename T>
+void add_rows_avx2(T* res, const T* x, int64_t n) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(res + i, _mm256_add_ps(_mm256_loadu_ps(res + i), _mm256_loadu_ps(x + i)));
-  for (; i < n; ++i) res[i] += x[i];
+  for (; i + 8 <= n; i += 8) store8(res + i, _mm256_add_ps(load8(res + i), load8(x + i)));
+  for (; i < n; ++i) res[i] = static_cast<T>(static_cast<float>(res[i]) + static_cast<float>(x[i]));
 }
 
 // w * (x * inv), rounded as the torch module computes it (two products, no FMA)
-void scale_rows_avx2(float* out, const float* x, const float* w, float inv, int64_t n) {
+template <typename T>
+void scale_rows_avx2(T* out, const T* x, const T* w, float inv, int64_t n) {
   const __m256 iv = _mm256_set1_ps(inv);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), iv)));
-  for (; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+    store8(out + i, _mm256_mul_ps(load8(w + i), round8<T>(_mm256_mul_ps(load8(x + i), iv))));
+  for (; i < n; ++i) out[i] = static_cast<T>(static_cast<float>(w[i]) * rnd<T>(static_cast<float>(x[i]) * inv));
 }
 
-void rope_row_avx2(float* x, const float* c, const float* s, int64_t half) {
+template <typename T>
+void rope_row_avx2(T* x, const float* c, const float* s, int64_t half) {
   int64_t i = 0;
   for (; i + 8 <= half; i += 8) {
-    const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + i + half);
+    const __m256 x1 = load8(x + i), x2 = load8(x + i + half);
     const __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
-    _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
-    _mm256_storeu_ps(x + i + half, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
+    store8(x + i, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
+    store8(x + i + half, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
   }
   for (; i < half; ++i) {
-    const float x1 = x[i], x2 = x[i + half];
-    x[i] = x1 * c[i] - x2 * s[i];
-    x[i + half] = x2 * c[i] + x1 * s[i];
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+    x[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
+    x[i + half] = static_cast<T>(x2 * c[i] + x1 * s[i]);
   }
 }
 
 // silu(g) * u = g / (1 + e^-g) * u, with e^-g = 2^(-g log2 e) (exp2_avx clamps the exponent to +-126: for
 // g < -87 the result is ~0 either way)
-void silu_mul_row_avx2(float* out, const float* gate, const float* up, int64_t n) {
+template <typename T>
+void silu_mul_row_avx2(T* out, const T* gate, const T* up, int64_t n) {
   const __m256 neg_log2e = _mm256_set1_ps(-1.4426950408889634f), one = _mm256_set1_ps(1.f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 g = load8(gate + i);
     const __m256 e = exp2_avx(_mm256_mul_ps(g, neg_log2e));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+    store8(out + i, _mm256_mul_ps(round8<T>(_mm256_div_ps(g, _mm256_add_ps(one, e))), load8(up + i)));
   }
-  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+  silu_mul_row_portable(out + i, gate + i, up + i, n - i);
 }
 
 #pragma GCC pop_options
 #endif  // KVLLM_X86
 
+template <typename T>
 struct Loops {
-  float (*sum_squares)(const float*, int64_t);
-  void (*add_rows)(float*, const float*, int64_t);
-  void (*scale_rows)(float*, const float*, const float*, float, int64_t);
-  void (*rope_row)(float*, const float*, const float*, int64_t);
-  void (*silu_mul_row)(float*, const float*, const float*, int64_t);
+  float (*sum_squares)(const T*, int64_t);
+  void (*add_rows)(T*, const T*, int64_t);
+  void (*scale_rows)(T*, const T*, const T*, float, int64_t);
+  void (*rope_row)(T*, const float*, const float*, int64_t);
+  void (*silu_mul_row)(T*, const T*, const T*, int64_t);
 };
 
-Loops loops(int64_t max_isa) {
+template <typename T>
+Loops<T> loops(int64_t max_isa) {
 #ifdef KVLLM_X86
   if (pick_isa(max_isa) >= 1)
-    return {sum_squares_avx2, add_rows_avx2, scale_rows_avx2, rope_row_avx2, silu_mul_row_avx2};
+    return {sum_squares_avx2<T>, add_rows_avx2<T>, scale_rows_avx2<T>, rope_row_avx2<T>, silu_mul_row_avx2<T>};
 #else
   pick_isa(max_isa);  // still checks the argument
 #endif
-  return {sum_squares_portable, add_rows_portable, scale_rows_portable, rope_row_portable, silu_mul_row_portable};
+  return {sum_squares_portable<T>, add_rows_portable<T>, scale_rows_portable<T>, rope_row_portable<T>,
+          silu_mul_row_portable<T>};
+}
+
+// f(T{}) with T the element type of t's rows (check_rows admits float32 and bfloat16)
+template <typename F>
+void with_row_type(const at::Tensor& t, const F& f) {
+  if (t.scalar_type() == at::kBFloat16) return f(c10::BFloat16{});
+  return f(float{});
 }
 
 // ---- ops -------------------------------------------------------------------------------------------------
@@ -157,75 +195,90 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Ten
               const std::optional<at::Tensor>& residual, int64_t max_isa) {
   check_rows(x, "x", 2);
   check_rows(out, "out", 2);
+  check_same_dtype(out, x, "out", "x");
   const int64_t n = x.size(0), h = x.size(1);
-  TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+  TORCH_CHECK_VALUE(weight.device().is_cpu() && weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
                         weight.dim() == 1 && weight.size(0) == h,
-                    "weight must be a contiguous float32 CPU tensor of ", h, " entries (x's last dimension)");
+                    "weight must be a contiguous CPU tensor of x's dtype (", x.scalar_type(), ") with ", h,
+                    " entries (x's last dimension)");
   TORCH_CHECK_VALUE(out.size(0) == n && out.size(1) == h, "out must have x's shape");
   if (residual) {
     check_rows(*residual, "residual", 2);
+    check_same_dtype(*residual, x, "residual", "x");
     TORCH_CHECK_VALUE(residual->size(0) == n && residual->size(1) == h, "residual must have x's shape");
   }
-  const Loops L = loops(max_isa);
-  const float* xp = x.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  float* rp = residual ? residual->data_ptr<float>() : nullptr;
-  const int64_t xs = x.stride(0), os = out.stride(0), rs = residual ? residual->stride(0) : 0;
-  const float feps = static_cast<float>(eps);
-  for_rows(n, h, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* src = xp + r * xs;
-      if (rp) {  // residual += x, then normalise the sum; x is read before out is written (out may alias x)
-        L.add_rows(rp + r * rs, src, h);
-        src = rp + r * rs;
+  with_row_type(x, [&](auto tag) {
+    using T = decltype(tag);
+    const Loops<T> L = loops<T>(max_isa);
+    const T* xp = x.data_ptr<T>();
+    const T* w = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    T* rp = residual ? residual->data_ptr<T>() : nullptr;
+    const int64_t xs = x.stride(0), os = out.stride(0), rs = residual ? residual->stride(0) : 0;
+    const float feps = static_cast<float>(eps);
+    for_rows(n, h, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* src = xp + r * xs;
+        if (rp) {  // residual += x, then normalise the sum; x is read before out is written (out may alias x)
+          L.add_rows(rp + r * rs, src, h);
+          src = rp + r * rs;
+        }
+        const float inv = 1.f / std::sqrt(L.sum_squares(src, h) / static_cast<float>(h) + feps);
+        L.scale_rows(op + r * os, src, w, inv, h);
       }
-      const float inv = 1.f / std::sqrt(L.sum_squares(src, h) / static_cast<float>(h) + feps);
-      L.scale_rows(op + r * os, src, w, inv, h);
-    }
+    });
   });
 }
 
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, int64_t max_isa) {
   check_rows(q, "q", 3);
   check_rows(k, "k", 3);
-  check_rows(cos, "cos", 2);
-  check_rows(sin, "sin", 2);
+  check_same_dtype(k, q, "k", "q");
+  for (const auto* t : {&cos, &sin})
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 2 && t->stride(1) == 1,
+                      "cos and sin must be float32 CPU tensors [T, D/2] whose last dimension is contiguous");
   const int64_t t = q.size(0), d = q.size(2);
   TORCH_CHECK_VALUE(d % 2 == 0 && k.size(2) == d && k.size(0) == t, "q [T, Hq, D] and k [T, Hkv, D] must share T "
                     "and an even D, got ", q.sizes(), " and ", k.sizes());
   TORCH_CHECK_VALUE(cos.sizes() == sin.sizes() && cos.size(0) == t && cos.size(1) == d / 2,
                     "cos and sin must be [T, D/2] = [", t, ", ", d / 2, "], got ", cos.sizes(), " and ", sin.sizes());
-  const Loops L = loops(max_isa);
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  const int64_t half = d / 2, cs = cos.stride(0), ss = sin.stride(0);
-  struct Heads {
-    float* p;
-    int64_t n, token_stride, head_stride;
-  };
-  const Heads qk[2] = {{q.data_ptr<float>(), q.size(1), q.stride(0), q.stride(1)},
-                       {k.data_ptr<float>(), k.size(1), k.stride(0), k.stride(1)}};
-  for_rows(t, (q.size(1) + k.size(1)) * d, [&](int64_t t0, int64_t t1) {
-    for (int64_t i = t0; i < t1; ++i)
-      for (const Heads& x : qk)
-        for (int64_t h = 0; h < x.n; ++h) L.rope_row(x.p + i * x.token_stride + h * x.head_stride, cp + i * cs,
-                                                     sp + i * ss, half);
+  with_row_type(q, [&](auto tag) {
+    using T = decltype(tag);
+    const Loops<T> L = loops<T>(max_isa);
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    const int64_t half = d / 2, cs = cos.stride(0), ss = sin.stride(0);
+    struct Heads {
+      T* p;
+      int64_t n, token_stride, head_stride;
+    };
+    const Heads qk[2] = {{q.data_ptr<T>(), q.size(1), q.stride(0), q.stride(1)},
+                         {k.data_ptr<T>(), k.size(1), k.stride(0), k.stride(1)}};
+    for_rows(t, (q.size(1) + k.size(1)) * d, [&](int64_t t0, int64_t t1) {
+      for (int64_t i = t0; i < t1; ++i)
+        for (const Heads& x : qk)
+          for (int64_t h = 0; h < x.n; ++h) L.rope_row(x.p + i * x.token_stride + h * x.head_stride, cp + i * cs,
+                                                       sp + i * ss, half);
+    });
   });
 }
 
 void silu_mul(const at::Tensor& x, at::Tensor& out, int64_t max_isa) {
   check_rows(x, "x", 2);
   check_rows(out, "out", 2);
+  check_same_dtype(out, x, "out", "x");
   const int64_t n = x.size(0), inter = x.size(1) / 2;
   TORCH_CHECK_VALUE(x.size(1) % 2 == 0 && out.size(0) == n && out.size(1) == inter,
                     "x must be [N, 2I] (gate then up) and out [N, I], got ", x.sizes(), " and ", out.sizes());
-  const Loops L = loops(max_isa);
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0), os = out.stride(0);
-  for_rows(n, inter, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) L.silu_mul_row(op + r * os, xp + r * xs, xp + r * xs + inter, inter);
+  with_row_type(x, [&](auto tag) {
+    using T = decltype(tag);
+    const Loops<T> L = loops<T>(max_isa);
+    const T* xp = x.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const int64_t xs = x.stride(0), os = out.stride(0);
+    for_rows(n, inter, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) L.silu_mul_row(op + r * os, xp + r * xs, xp + r * xs + inter, inter);
+    });
   });
 }
 

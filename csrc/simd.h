@@ -3,10 +3,13 @@
 // through `#pragma GCC target` and only reached after a run-time check, so one library runs on any x86-64.
 #pragma once
 
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__x86_64__) || defined(__i386__)
 #define KVLLM_X86 1  // the AVX2 / AVX-512 code; elsewhere only the portable kernels are compiled
@@ -56,6 +59,46 @@ inline float hsum(__m256 a) {
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   x = _mm_add_ss(x, _mm_movehdup_ps(x));
   return _mm_cvtss_f32(x);
+}
+
+// 8 consecutive elements as floats: half-precision rows are widened in registers (bf16 is the high half of a
+// float; fp16 through F16C), so a half K/V cache is read at half the bytes with no conversion pass through memory.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// 8 floats rounded to bfloat16 bits, nearest even, NaN as 0x7FC0: c10::BFloat16's own rounding, so a row stored
+// here equals the same values converted by torch.
+inline __m128i bf16_bits8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, bias), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // packus works within 128-bit lanes: [r0..r3 r0..r3 | r4..r7 r4..r7]; 64-bit pieces 0 and 2 are r0..r7
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits8(v));
+}
+
+// What storing v as T and loading it back gives: v itself for float, v rounded to bfloat16 for bfloat16 (torch's
+// bfloat16 ops round every intermediate result they return; the layer ops round at the same points).
+template <typename T>
+inline __m256 round8(__m256 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    static_assert(std::is_same_v<T, c10::BFloat16>);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_bits8(v)), 16));
+  }
 }
 
 // 1/k! (ln 2)^k for k = 7..0: 2^f's degree-7 Taylor polynomial in Horner order (exp2_avx, and exp2_512 in

@@ -1,8 +1,9 @@
 """The elementwise ops of a decoder layer, behind one interface with two implementations:
 
 - TorchLayerOps: plain torch on any device and dtype (the reference; HF's order of operations).
-- CpuLayerOps: csrc/layer_ops.cpp, one C++ call per op on float32 CPU tensors. The residual add is fused into the
-  RMSNorm that follows it, RoPE rotates q and k in place inside the fused qkv projection output, and SiLU-multiply
+- CpuLayerOps: csrc/layer_ops.cpp, one C++ call per op on float32 or bfloat16 CPU tensors (bfloat16 is rounded
+  where TorchLayerOps rounds, so the two differ only where float32 summation order tips a rounding). The residual
+  add is fused into the RMSNorm that follows it, RoPE rotates q and k in place inside the fused qkv projection output, and SiLU-multiply
   reads the fused gate/up output; K/V writes into the pages (engine/attention/cpu_paged.py) are in the same library.
   Why: written in torch a layer's elementwise work is ~25 ops, each over more than 32K elements an OpenMP parallel
   region, and under passive waiting (engine/threads.py) every region wakes the sleeping worker threads. These calls
@@ -10,7 +11,8 @@
   Inputs it does not take (another dtype or device, a 3-D RMSNorm input such as Qwen3's per-head q/k norm) go to
   TorchLayerOps.
 
-EngineConfig.layer_ops picks one ('auto': the C++ ops where the model is float32 on a CPU and the library loads).
+EngineConfig.layer_ops picks one ('auto': the C++ ops where the model is float32 or bfloat16 on a CPU and the library
+loads).
 """
 from __future__ import annotations
 
@@ -50,8 +52,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-def _kernel_ready(*ts: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in ts)
+#: row dtypes the C++ ops take (float32 arithmetic either way; cos/sin tables stay float32)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _kernel_ready(*ts: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Every tensor a CPU tensor with a contiguous last dimension and one dtype (`dtype` if given) the ops take."""
+    dtype = ts[0].dtype if dtype is None else dtype
+    return dtype in KERNEL_DTYPES and all(t.dtype == dtype and t.device.type == "cpu" and t.stride(-1) == 1
+                                          for t in ts)
 
 
 class CpuLayerOps(TorchLayerOps):
@@ -66,14 +75,16 @@ class CpuLayerOps(TorchLayerOps):
         self.max_isa = max_isa  # 0: the portable loops (tests of each level)
 
     def rms_norm(self, x, weight, eps, residual=None):
-        if x.dim() != 2 or not _kernel_ready(x, weight) or (residual is not None and not _kernel_ready(residual)):
+        if x.dim() != 2 or not _kernel_ready(x, weight) or (residual is not None
+                                                           and not _kernel_ready(residual, dtype=x.dtype)):
             return super().rms_norm(x, weight, eps, residual)
         out = torch.empty(x.shape, dtype=x.dtype)
         self._ops.rms_norm(x, weight, eps, out, residual, self.max_isa)  # residual += x, in place
         return out if residual is None else (out, residual)
 
     def rope(self, q, k, cos, sin):
-        if not _kernel_ready(q, cos, sin) or (k is not None and not _kernel_ready(k)):
+        if (not _kernel_ready(q) or not _kernel_ready(cos, sin, dtype=torch.float32)
+                or (k is not None and not _kernel_ready(k, dtype=q.dtype))):
             return super().rope(q, k, cos, sin)
         self._ops.rope_(q, q[:, :0] if k is None else k, cos, sin, self.max_isa)
         return q, k
@@ -96,8 +107,8 @@ def can_use_cpu_ops(model: torch.nn.Module) -> str | None:
     param = next(model.parameters())
     if param.device.type != "cpu":
         return f"the model is on {param.device}"
-    if param.dtype != torch.float32:
-        return f"the model is {param.dtype}, the kernels are float32"
+    if param.dtype not in KERNEL_DTYPES:
+        return f"the model is {param.dtype}, the kernels take float32 and bfloat16"
     try:
         cpu_ext.load()
     except cpu_ext.ExtensionUnavailable as exc:
