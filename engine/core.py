@@ -69,8 +69,8 @@ class EngineCore:
             if config.quantization is not None:
                 raise ValueError(f"quantization={config.quantization!r} does not shard: use it with "
                                  f"tensor_parallel_size 1")
-            if config.gemm_backend == "cpu":
-                raise ValueError("gemm_backend='cpu' does not shard: use 'auto' or 'torch' with "
+            if config.gemm_backend in ("cpu", "onednn"):
+                raise ValueError(f"gemm_backend={config.gemm_backend!r} does not shard: use 'auto' or 'torch' with "
                                  "tensor_parallel_size > 1")
             self.driver = TPDriver(config.tensor_parallel_size, self.device)
             self.device = self.driver.device

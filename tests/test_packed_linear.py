@@ -165,7 +165,7 @@ def test_engine_gemm_backend_setting(make_engine):
         make_engine(gemm_backend="cpu", quantization="int8")
     with pytest.raises(ValueError, match="gemm_backend='cpu'"):
         make_engine(gemm_backend="cpu", dtype="bfloat16")
-    eng = make_engine(dtype="bfloat16")  # auto falls back to torch's GEMMs
+    eng = make_engine(dtype="bfloat16")  # auto: not these float32 panels (oneDNN's packing: test_onednn_linear.py)
     assert not any(isinstance(m, PackedLinear) for m in eng.model.modules())
     kw = engine_kwargs_from_args(build_parser().parse_args(["serve", "--gemm-backend", "torch"]))
     assert kw == {"gemm_backend": "torch"}

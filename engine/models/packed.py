@@ -134,6 +134,13 @@ def _cpu_gemm(model: nn.Module, quantized: bool) -> None:
 
 @GEMM_BACKENDS.register("auto")
 def _auto_gemm(model: nn.Module, quantized: bool) -> None:
-    """Packs where it can run (CPU with AVX2, float32, unsharded); a quantized model keeps its own kernel."""
-    if not quantized and can_pack(model) is None:
+    """Packs where it can run: a float32 model into these panels (CPU with AVX2, unsharded), a bfloat16 one for
+    oneDNN (engine/models/onednn.py); a quantized model keeps its own kernel."""
+    from engine.models import onednn
+
+    if quantized:
+        return
+    if can_pack(model) is None:
         pack_linears(model)
+    elif onednn.can_pack(model) is None:
+        onednn.pack_linears(model)

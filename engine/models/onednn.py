@@ -1,0 +1,101 @@
+"""bfloat16 linear layers for the CPU path with their weights pre-packed once for oneDNN: `pack_linears(model)`
+swaps a loaded bfloat16 DecoderLM's linear layers (and the LM head) for OneDnnLinear, whose weight is reordered at
+load into the blocked layout oneDNN's bf16 matmul reads (torch.ops.mkldnn._reorder_linear_weight, the packing
+torch inductor applies to frozen CPU linears) and multiplied by torch.ops.mkldnn._linear_pointwise.
+
+Why: F.linear on a plain bfloat16 weight reorders the whole weight into that layout on every call, a cost that
+does not shrink with the rows: at the few rows of a small decode batch it is most of the call (about 2x slower at
+1-8 rows, docs/benchmarks.md), while the result is bit-identical to the packed call (tests/test_onednn_linear.py).
+vLLM's CPU backend packs its bf16 weights for oneDNN the same way.
+
+Engine use: EngineConfig.gemm_backend ('auto' packs a bfloat16, unsharded, unquantized model on a CPU whose torch
+has oneDNN with bf16 support; 'onednn' asks for it). The embedding keeps its table; a tied LM head gets a packed
+copy of it. The packed weight is an opaque oneDNN tensor, not a buffer: `.weight` rebuilds the dense one.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from engine.models.packed import GEMM_BACKENDS
+
+PACK_ROWS_HINT = 64  # the row count oneDNN tunes the packed layout for (any count runs); a decode batch's size
+
+
+def available() -> str | None:
+    """None when this torch can pack bf16 weights for oneDNN, else why not."""
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN (mkldnn)"
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "oneDNN reports no bf16 support on this CPU"
+    return None
+
+
+class OneDnnLinear(nn.Module):
+    """Drop-in for a bfloat16 nn.Linear (y = x W^T + b) on the CPU, weight packed once for oneDNN."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.w_packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().bfloat16(), PACK_ROWS_HINT)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().bfloat16().clone(),
+                                                                  requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense weight [out, in] (a new tensor, for code that reads `.weight` directly, such as
+        Attention.queries during query recomputation and the GEMM floor of bench/; the forward never builds it)."""
+        return self.w_packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            x = x.bfloat16()
+        return torch.ops.mkldnn._linear_pointwise(x, self.w_packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _onednn_compute_logits(self, hidden: torch.Tensor, all_ranks: bool = False) -> torch.Tensor:
+    return self.packed_lm_head(hidden).float()
+
+
+def can_pack(model: nn.Module) -> str | None:
+    """None when pack_linears(model) can run here, else why not (one line)."""
+    param = next(model.parameters())
+    if param.device.type != "cpu":
+        return f"the model is on {param.device}"
+    if param.dtype != torch.bfloat16:
+        return f"the model is {param.dtype}, the packed oneDNN layers are bfloat16"
+    if getattr(getattr(model, "tp", None), "size", 1) != 1:
+        return "tensor_parallel_size > 1 (the layers are sharded)"
+    return available()
+
+
+def pack_linears(model: nn.Module) -> nn.Module:
+    """Replace every unsharded nn.Linear of a loaded bfloat16 DecoderLM with OneDnnLinear and give the LM head a
+    packed weight, in place; returns the model. Raises ValueError (naming gemm_backend) where it cannot run."""
+    why = can_pack(model)
+    if why is not None:
+        raise ValueError(f"gemm_backend='onednn' cannot run: {why}")
+    with torch.no_grad():
+        head = getattr(model, "lm_head", None)
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear) and child is not head:
+                    setattr(parent, name, OneDnnLinear(child))
+        weight = head.weight if head is not None else model.embed_tokens.weight
+        src = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        src.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        model.packed_lm_head = OneDnnLinear(src)
+        if head is not None:
+            model.lm_head = None  # its dense weight is no longer used
+        model.compute_logits = types.MethodType(_onednn_compute_logits, model)
+    return model
+
+
+@GEMM_BACKENDS.register("onednn")
+def _onednn_gemm(model: nn.Module, quantized: bool) -> None:
+    pack_linears(model)  # EngineConfig already refused it with quantization
