@@ -88,6 +88,7 @@ def matmul_floor(engine: Engine, batch: int, repeats: int = 10, lm_head: bool = 
 
 def floor_step(engine: Engine, batch: int, lm_head: bool = True):
     """A callable that runs those bare GEMMs once."""
+    from engine.models.onednn import OneDnnLinear
     from engine.models.packed import PackedLinear
     from engine.models.quant import Int8Linear
 
@@ -95,7 +96,8 @@ def floor_step(engine: Engine, batch: int, lm_head: bool = True):
     # torch's own GEMMs on dense weights (a packed layer's .weight unpacks it, an int8 one dequantizes it), whatever
     # the engine runs
     weights = [m.weight.to(engine.dtype).contiguous() for m in engine.model.modules()
-               if isinstance(m, (torch.nn.Linear, PackedLinear, Int8Linear)) and (lm_head or m.out_features != vocab)]
+               if isinstance(m, (torch.nn.Linear, PackedLinear, OneDnnLinear, Int8Linear))
+               and (lm_head or m.out_features != vocab)]
     hidden = engine.model_config.hidden_size
     xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=engine.dtype) for w in weights}
     xh = torch.randn(batch, hidden, dtype=engine.dtype)
@@ -116,12 +118,13 @@ def floor_step(engine: Engine, batch: int, lm_head: bool = True):
 def own_gemm_step(engine: Engine, batch: int, repeats: int = 10) -> float:
     """Seconds for one decode step's linear layers + LM head at `batch` rows as this engine runs them (its
     gemm_backend / quantization): the floor of the step with the engine's own GEMMs."""
+    from engine.models.onednn import OneDnnLinear
     from engine.models.packed import PackedLinear
     from engine.models.quant import Int8Linear
 
     vocab = engine.model_config.vocab_size
-    layers = [m for m in engine.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, Int8Linear))
-              and m.out_features != vocab]
+    layers = [m for m in engine.model.modules()
+              if isinstance(m, (torch.nn.Linear, PackedLinear, OneDnnLinear, Int8Linear)) and m.out_features != vocab]
     xs = {m.in_features: torch.randn(batch, m.in_features, dtype=engine.dtype) for m in layers}
     xh = torch.randn(batch, engine.model_config.hidden_size, dtype=engine.dtype)
 
@@ -166,12 +169,12 @@ def prefix_caching_rows(args) -> str:
 
 
 ENGINES = {  # name -> Engine keyword arguments
-    "cpu": dict(attention_backend="cpu"),  # gemm_backend auto: the packed float32 GEMM (AVX2 / AVX-512)
+    "cpu": dict(attention_backend="cpu"),  # gemm_backend auto: packed float32 panels, or bf16 packed for oneDNN
     "cpu+int8": dict(attention_backend="cpu", quantization="int8"),
     "torch": dict(attention_backend="torch"),
     "cpu+fp16kv": dict(attention_backend="cpu", kv_cache_dtype="float16"),
     "cpu+int8+fp16kv": dict(attention_backend="cpu", quantization="int8", kv_cache_dtype="float16"),
-    "cpu+torchgemm": dict(attention_backend="cpu", gemm_backend="torch"),  # the CPU kernel with MKL's GEMMs
+    "cpu+torchgemm": dict(attention_backend="cpu", gemm_backend="torch"),  # the CPU kernel with F.linear's GEMMs
     "cpu+torchops": dict(attention_backend="cpu", layer_ops="torch"),  # norms, RoPE, SiLU, K/V writes in torch ops
 }
 
