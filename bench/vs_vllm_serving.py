@@ -122,7 +122,8 @@ class Server:
 def vllm_server(model_dir: Path, port: int, threads: int, log: Path, *, kv_gib: int | None, flags: list[str],
                 dtype: str = "float32"):
     cmd = [str(VENV / "bin" / "vllm"), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", SERVED_NAME, "--dtype", dtype, "--seed", "0", "--uvicorn-log-level", "warning", *flags]
+           "--served-model-name", SERVED_NAME, "--dtype", dtype, "--seed", "0", "--uvicorn-log-level", "warning",
+           *flags]
     return Server("vllm", cmd, vllm_env(threads, kv_gib), port, log)
 
 

@@ -329,7 +329,8 @@ def test_bad_arguments_name_the_field():
     with pytest.raises(ValueError, match="weight must be a contiguous CPU tensor of x's dtype"):
         OPS.rms_norm(x.bfloat16(), torch.ones(8), 1e-5, torch.empty(4, 8, dtype=torch.bfloat16), None)
     with pytest.raises(ValueError, match="cos and sin must be float32"):
-        OPS.rope_(torch.randn(2, 1, 8), torch.randn(2, 1, 8), torch.randn(2, 4).bfloat16(), torch.randn(2, 4).bfloat16())
+        half_tables = torch.randn(2, 4).bfloat16()
+        OPS.rope_(torch.randn(2, 1, 8), torch.randn(2, 1, 8), half_tables, half_tables)
 
 
 def test_inputs_the_kernels_do_not_take_fall_back_to_torch():

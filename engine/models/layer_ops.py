@@ -3,8 +3,9 @@
 - TorchLayerOps: plain torch on any device and dtype (the reference; HF's order of operations).
 - CpuLayerOps: csrc/layer_ops.cpp, one C++ call per op on float32 or bfloat16 CPU tensors (bfloat16 is rounded
   where TorchLayerOps rounds, so the two differ only where float32 summation order tips a rounding). The residual
-  add is fused into the RMSNorm that follows it, RoPE rotates q and k in place inside the fused qkv projection output, and SiLU-multiply
-  reads the fused gate/up output; K/V writes into the pages (engine/attention/cpu_paged.py) are in the same library.
+  add is fused into the RMSNorm that follows it, RoPE rotates q and k in place inside the fused qkv projection
+  output, and SiLU-multiply reads the fused gate/up output; K/V writes into the pages (engine/attention/cpu_paged.py)
+  are in the same library.
   Why: written in torch a layer's elementwise work is ~25 ops, each over more than 32K elements an OpenMP parallel
   region, and under passive waiting (engine/threads.py) every region wakes the sleeping worker threads. These calls
   stay on the calling thread at decode sizes, so a step's parallel regions are its GEMMs and attention calls.

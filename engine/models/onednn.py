@@ -14,12 +14,10 @@ copy of it. The packed weight is an opaque oneDNN tensor, not a buffer: `.weight
 """
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
-from engine.models.packed import GEMM_BACKENDS
+from engine.models.packed import GEMM_BACKENDS, swap_linears, unsharded_cpu_model
 
 PACK_ROWS_HINT = 64  # the row count oneDNN tunes the packed layout for (any count runs); a decode batch's size
 
@@ -64,14 +62,7 @@ def _onednn_compute_logits(self, hidden: torch.Tensor, all_ranks: bool = False) 
 
 def can_pack(model: nn.Module) -> str | None:
     """None when pack_linears(model) can run here, else why not (one line)."""
-    param = next(model.parameters())
-    if param.device.type != "cpu":
-        return f"the model is on {param.device}"
-    if param.dtype != torch.bfloat16:
-        return f"the model is {param.dtype}, the packed oneDNN layers are bfloat16"
-    if getattr(getattr(model, "tp", None), "size", 1) != 1:
-        return "tensor_parallel_size > 1 (the layers are sharded)"
-    return available()
+    return unsharded_cpu_model(model, torch.bfloat16, "the packed oneDNN layers are") or available()
 
 
 def pack_linears(model: nn.Module) -> nn.Module:
@@ -80,20 +71,7 @@ def pack_linears(model: nn.Module) -> nn.Module:
     why = can_pack(model)
     if why is not None:
         raise ValueError(f"gemm_backend='onednn' cannot run: {why}")
-    with torch.no_grad():
-        head = getattr(model, "lm_head", None)
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear) and child is not head:
-                    setattr(parent, name, OneDnnLinear(child))
-        weight = head.weight if head is not None else model.embed_tokens.weight
-        src = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-        src.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        model.packed_lm_head = OneDnnLinear(src)
-        if head is not None:
-            model.lm_head = None  # its dense weight is no longer used
-        model.compute_logits = types.MethodType(_onednn_compute_logits, model)
-    return model
+    return swap_linears(model, OneDnnLinear, _onednn_compute_logits)
 
 
 @GEMM_BACKENDS.register("onednn")

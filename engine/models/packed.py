@@ -17,6 +17,7 @@ of it.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -79,17 +80,26 @@ def _packed_compute_logits(self, hidden: torch.Tensor, all_ranks: bool = False) 
     return self.packed_lm_head(hidden.float())
 
 
+def unsharded_cpu_model(model: nn.Module, dtype: torch.dtype, layers: str) -> str | None:
+    """None when `model` is an unsharded `dtype` model on the CPU, else why not (one line; `layers` names what
+    needs it)."""
+    param = next(model.parameters())
+    if param.device.type != "cpu":
+        return f"the model is on {param.device}"
+    if param.dtype != dtype:
+        return f"the model is {param.dtype}, {layers} {str(dtype).removeprefix('torch.')}"
+    if getattr(getattr(model, "tp", None), "size", 1) != 1:
+        return "tensor_parallel_size > 1 (the layers are sharded)"
+    return None
+
+
 def can_pack(model: nn.Module) -> str | None:
     """None when pack_linears(model) can run here, else why not (one line)."""
     from engine.attention import cpu_ext
 
-    param = next(model.parameters())
-    if param.device.type != "cpu":
-        return f"the model is on {param.device}"
-    if param.dtype != torch.float32:
-        return f"the model is {param.dtype}, the kernel is float32"
-    if getattr(getattr(model, "tp", None), "size", 1) != 1:
-        return "tensor_parallel_size > 1 (the layers are sharded)"
+    why = unsharded_cpu_model(model, torch.float32, "the kernel is")
+    if why is not None:
+        return why
     try:
         ops = cpu_ext.load()
     except cpu_ext.ExtensionUnavailable as exc:
@@ -106,19 +116,26 @@ def pack_linears(model: nn.Module) -> nn.Module:
     why = can_pack(model)
     if why is not None:
         raise ValueError(f"gemm_backend='cpu' cannot run: {why}")
+    return swap_linears(model, PackedLinear, _packed_compute_logits)
+
+
+def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], compute_logits) -> nn.Module:
+    """In place: every nn.Linear of a loaded DecoderLM but the LM head becomes make(linear); the LM head (or a tied
+    embedding) gets a copy make()'d as `model.packed_lm_head`, the dense head is dropped, and `compute_logits(model,
+    hidden, all_ranks=False)` becomes the model's. Shared by the packed backends (here and engine/models/onednn.py)."""
     with torch.no_grad():
         head = getattr(model, "lm_head", None)
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear) and child is not head:
-                    setattr(parent, name, PackedLinear(child))
+                    setattr(parent, name, make(child))
         weight = head.weight if head is not None else model.embed_tokens.weight
         src = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         src.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        model.packed_lm_head = PackedLinear(src)
+        model.packed_lm_head = make(src)
         if head is not None:
             model.lm_head = None  # its dense weight is no longer used
-        model.compute_logits = types.MethodType(_packed_compute_logits, model)
+        model.compute_logits = types.MethodType(compute_logits, model)
     return model
 
 
