@@ -280,7 +280,9 @@ def policy_probe(batches, slots: int, repeats: int) -> dict:
     return out
 
 
-POLICIES = {"passive (engine.threads default)": {"OMP_WAIT_POLICY": "PASSIVE"},
+POLICIES = {"passive, no spin": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"},
+            "passive after 1500 spins (engine.threads default)": {"OMP_WAIT_POLICY": "PASSIVE",
+                                                                  "GOMP_SPINCOUNT": "1500"},
             "libgomp default (spin ~300k, then sleep)": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": ""},
             "GOMP_SPINCOUNT=1000": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "1000"},
             "active": {"OMP_WAIT_POLICY": "ACTIVE"}}

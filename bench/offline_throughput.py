@@ -19,10 +19,10 @@ import time
 
 from engine.threads import configure_threads
 
-# before torch loads: passive OpenMP waiting, so a 2-thread sweep does not spin-collapse; --default-wait leaves libgomp's
-# own policy (spin GOMP_SPINCOUNT times, then sleep), to measure what passive waiting costs
+# before torch loads: the engine's own OpenMP waiting (passive after a short spin, engine/threads.py), so a 2-thread
+# sweep does not spin-collapse; --default-wait leaves libgomp's own policy (spin ~300k times, then sleep)
 WAIT_POLICY = None if "--default-wait" in sys.argv else "passive"
-configure_threads(1, wait_policy=WAIT_POLICY)
+THREADS = configure_threads(1, wait_policy=WAIT_POLICY)
 
 import torch  # noqa: E402
 
@@ -253,7 +253,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     dtype = parse_dtype(args.dtype)
     dname = str(dtype).removeprefix("torch.")
-    waiting = ("OpenMP waits passively" if WAIT_POLICY else
+    waiting = (f"OpenMP waits passively after {THREADS.spin_count or 0} spins" if WAIT_POLICY else
                f"OpenMP waits as libgomp does by default (GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')})")
     t_start = time.perf_counter()
     tput = ["| threads | engine | max running | output tok/s | vs HF (same threads) | workload time | its GEMM floor "

@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_py(code: str, stderr: list | None = None, **env):
-    full = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT", "OMP_DISPLAY_ENV")}
     full.update(env, PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -29,6 +30,51 @@ def test_before_torch_sets_passive_and_threads_then_all_cores_by_default():
                "d.num_threads, d.wait_policy, len(os.sched_getaffinity(0))]))")
     assert r[:4] == [2, "passive", "PASSIVE", 2]
     assert r[4] == r[6] and r[5] == "passive"  # later calls change the count; the policy stays what torch saw
+
+
+def libgomp_spin(stderr: str) -> str:
+    """The spin count libgomp itself reports at load (OMP_DISPLAY_ENV=VERBOSE prints its settings to stderr)."""
+    for line in stderr.splitlines():
+        if line.strip().startswith("GOMP_SPINCOUNT ="):
+            return line.split("=", 1)[1].strip().strip("'")
+    raise AssertionError(f"libgomp printed no GOMP_SPINCOUNT:\n{stderr[-2000:]}")
+
+
+SPIN_PROBE = ("import json, os; from engine.threads import configure_threads; s = configure_threads(1{extra}); "
+              "import torch; torch.ones(64).sum(); "
+              "print(json.dumps([s.wait_policy, s.spin_count, os.environ.get('GOMP_SPINCOUNT')]))")
+
+
+def test_default_is_passive_after_a_short_spin_and_libgomp_gets_it():
+    from engine.threads import DEFAULT_SPIN_COUNT
+
+    err = []
+    r = run_py(SPIN_PROBE.format(extra=""), stderr=err, OMP_DISPLAY_ENV="VERBOSE")
+    assert r == ["passive", DEFAULT_SPIN_COUNT, str(DEFAULT_SPIN_COUNT)]
+    assert libgomp_spin(err[0]) == str(DEFAULT_SPIN_COUNT)
+    assert "OMP_WAIT_POLICY = 'PASSIVE'" in err[0]
+
+
+@pytest.mark.parametrize("exported, expect", [
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, ["passive", None, None, "0"]),  # the user's pure passive: no spin added
+    ({"GOMP_SPINCOUNT": "0"}, [None, 0, "0", "0"]),  # the README's way back to sleeping at once
+    ({"GOMP_SPINCOUNT": "20000"}, [None, 20000, "20000", "20000"]),
+])
+def test_an_exported_policy_or_spin_count_is_the_users_choice(exported, expect):
+    err = []
+    r = run_py(SPIN_PROBE.format(extra=""), stderr=err, OMP_DISPLAY_ENV="VERBOSE", **exported)
+    assert r + [libgomp_spin(err[0])] == expect
+
+
+@pytest.mark.parametrize("extra, expect", [
+    (", spin_count=None", ["passive", None, None, "0"]),
+    (", spin_count=40", ["passive", 40, "40", "40"]),
+    (", wait_policy='active'", ["active", None, None, "30000000000"]),  # active spins for minutes: no count added
+])
+def test_spin_count_argument(extra, expect):
+    err = []
+    r = run_py(SPIN_PROBE.format(extra=extra), stderr=err, OMP_DISPLAY_ENV="VERBOSE")
+    assert r + [libgomp_spin(err[0])] == expect
 
 
 def test_an_exported_policy_is_kept():
@@ -56,3 +102,6 @@ def test_bad_arguments():
         configure_threads(1.5)
     with pytest.raises(ValueError, match="wait_policy"):
         configure_threads(1, wait_policy="spin")
+    for bad in (-1, 2.5, True, "1500"):
+        with pytest.raises(ValueError, match="spin_count"):
+            configure_threads(1, spin_count=bad)
