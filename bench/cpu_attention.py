@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.threads import configure_threads  # noqa: E402
 
-# before torch loads: passive OpenMP waiting unless the environment says otherwise; the policy sweep's children
+# before torch loads: the engine's OpenMP waiting unless the environment says otherwise; the policy sweep's children
 # take exactly the environment their parent gives them
 THREADS = configure_threads(1, wait_policy=None if "--policy-probe" in sys.argv else "passive")
 

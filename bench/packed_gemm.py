@@ -15,7 +15,7 @@ import time
 
 from engine.threads import configure_threads
 
-configure_threads(1)  # before torch loads: passive OpenMP waiting
+configure_threads(1)  # before torch loads: the engine's OpenMP waiting (engine/threads.py)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -76,7 +76,8 @@ def main() -> None:
     body = "\n".join(rows) + (
         "\n\nSmolLM2-135M-Instruct's linear shapes (q/k/v fused, o, gate/up fused, down: x 30 layers; + the tied "
         "49152 x 576 LM head for up to 256 rows), float32, random weights and inputs; per layer the median of "
-        f"{3 * args.repeats} calls per side, the sides alternating. OpenMP waits passively. "
+        f"{3 * args.repeats} calls per side, the sides alternating. OpenMP waits as the engine does "
+        "(engine/threads.py). "
         f"{time.perf_counter() - t_start:.0f} s.")
     print(body)
     if not args.no_write:

@@ -92,7 +92,7 @@ def _child_main(conn, model: str, kwargs: dict, threads: int | None, log_level: 
 
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s] %(message)s",
                         datefmt="%m-%d %H:%M:%S")
-    configure_threads(threads)
+    configure_threads(threads, spin_count=None)  # the HTTP process shares these cores (server/cli.py)
     from engine.engine import Engine
 
     try:

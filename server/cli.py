@@ -230,7 +230,10 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def _early_threads(argv: list[str]) -> None:
     """`kvllm serve` uses every core by default with a passive OpenMP wait policy, which only takes effect if set
-    before torch is imported (engine/threads.py): so --threads is read here, before the parser pulls torch in."""
+    before torch is imported (engine/threads.py): so --threads is read here, before the parser pulls torch in.
+    No spin before sleeping, unlike a process that is only the engine: the HTTP loop and the clients want the same
+    cores, and a spinning worker then holds one (2-thread serving ran slower with 1500 spins: docs/benchmarks.md,
+    "Threads: OpenMP spin before sleep")."""
     if not argv or argv[0] != "serve":
         return
     n = None
@@ -241,7 +244,7 @@ def _early_threads(argv: list[str]) -> None:
             n = int(value)
     from engine.threads import configure_threads
 
-    configure_threads(n or None)
+    configure_threads(n or None, spin_count=None)
 
 
 def main(argv: list[str] | None = None) -> int:
