@@ -15,8 +15,9 @@ waits for the next one decides what a second thread is worth:
 - PASSIVE with GOMP_SPINCOUNT=DEFAULT_SPIN_COUNT (the default here) spins ~80 us, long enough to catch the next
   region of the same step, then sleeps (with more OpenMP threads than cores libgomp uses its shorter throttled
   spin instead). Beside a busy process it costs what passive waiting saves: docs/benchmarks.md ("Threads: OpenMP
-  spin before sleep") has the step times at 0, 1500 and 3000 spins, quiet and busy; `export GOMP_SPINCOUNT=0`
-  restores pure passive waiting.
+  spin before sleep") has the step times at 0, 1500 and 3000 spins, quiet and busy. So it suits a process that
+  is only the engine; `kvllm serve` passes spin_count=None (server/cli.py), its HTTP loop and clients being the
+  busy neighbours. `export GOMP_SPINCOUNT=0` restores pure passive waiting anywhere.
 
 libgomp reads OMP_WAIT_POLICY / GOMP_SPINCOUNT only when it is loaded, i.e. at `import torch`: set later they do
 nothing (checked with torch 2.13: the policy of a running process cannot be changed). So configure_threads()
