@@ -9,9 +9,9 @@ at::parallel_for) share one GNU OpenMP pool, and a decode step is ~150 short par
 waits for the next one decides what a second thread is worth:
 - libgomp's default spins ~300k times (milliseconds) before sleeping: on a 2-core machine where anything else runs
   (the HTTP thread, the client, another process) a spinning worker takes the core the thread it waits for needs,
-  and steps collapse 5-10x (tests/conftest.py pins one thread for this reason).
+  and steps collapsed 4-10x (tests/conftest.py pins one thread for this reason).
 - OMP_WAIT_POLICY=PASSIVE sleeps at once: never collapses, but every region then wakes the worker through the
-  kernel, and on a VM that wake-up is tens of microseconds: 2 threads ran small-batch steps no faster than 1.
+  kernel, and on a VM that wake-up is tens of microseconds: a 16-sequence bfloat16 step ran no faster on 2 than 1.
 - PASSIVE with GOMP_SPINCOUNT=DEFAULT_SPIN_COUNT (the default here) spins ~80 us, long enough to catch the next
   region of the same step, then sleeps (with more OpenMP threads than cores libgomp uses its shorter throttled
   spin instead). Beside a busy process it costs what passive waiting saves: docs/benchmarks.md ("Threads: OpenMP
