@@ -4,7 +4,7 @@
 
 Per batch (rows) and thread count: the sum over one forward's linear layers (each shape x its count, + the tied
 LM head at decode batch sizes) through F.linear on the dense weight and through PackedLinear on the same weight
-with each micro-kernel the CPU has (the AVX2 6 x 16 tile; the AVX-512 12 x 32 tile where AVX-512F exists),
+with each micro-kernel the CPU has (the AVX2 6 x 16 tile; the AVX-512 8 x 48 tile where AVX-512F exists),
 alternating in one process; medians. Also the max abs difference against a float64 reference.
 """
 from __future__ import annotations

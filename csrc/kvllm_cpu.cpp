@@ -912,14 +912,27 @@ void int8_panel_avx2(const Int8Problem& I, int64_t p, float* panel) {
   int8_rows(I, FloatWeights{panel, I.k}, p);
 }
 
+// A packed float32 panel read from memory (not scratch): its next lines are prefetched (see kPrefetchBytes below).
+struct StreamedFloatWeights : FloatWeights {
+  inline void get(int64_t k, __m256& w0, __m256& w1) const {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * kPanel) + 2048, _MM_HINT_T0);
+    FloatWeights::get(k, w0, w1);
+  }
+};
+
 void packed_panel_avx2(const Int8Problem& I, const float* w, int64_t p) {
-  int8_rows(I, FloatWeights{w + p * I.k * kPanel, I.k}, p);
+  int8_rows(I, StreamedFloatWeights{{w + p * I.k * kPanel, I.k}}, p);
 }
 
 #pragma GCC pop_options
 
 // AVX-512 packed micro-kernel: a panel row (16 channels) is one zmm, so a tile of MR rows x NP panels keeps
-// MR * NP accumulators; 12 x 2 uses 24 of the 32 registers and issues 24 FMAs per 2 weight loads.
+// MR * NP accumulators; 8 x 3 uses 24 of the 32 registers and issues 24 FMAs per 3 weight loads and 8 broadcasts.
+// At decode batch sizes the weights stream from DRAM (a step reads every panel once) and the tile is bound by how
+// many cache lines are in flight: three panel streams, each prefetched kPrefetchBytes ahead, keep more of them in
+// flight than the hardware prefetcher does on its own (bench/kernel_ab.py --kernel linear).
+constexpr int kPrefetchBytes = 2048;
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx2,fma,f16c")
 
@@ -933,7 +946,11 @@ inline void packed_micro512(const Int8Problem& I, const float* w, int64_t p, int
     for (int n = 0; n < NP; ++n) acc[r][n] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kk; ++k) {
     __m512 wv[NP];
-    for (int n = 0; n < NP; ++n) wv[n] = _mm512_loadu_ps(wp + (n * kk + k) * kPanel);
+    for (int n = 0; n < NP; ++n) {
+      const float* row = wp + (n * kk + k) * kPanel;  // one 64-byte line per panel and k
+      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+      wv[n] = _mm512_loadu_ps(row);
+    }
     for (int r = 0; r < MR; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * kk + k]);
       for (int n = 0; n < NP; ++n) acc[r][n] = _mm512_fmadd_ps(xb, wv[n], acc[r][n]);
@@ -950,12 +967,8 @@ inline void packed_micro512(const Int8Problem& I, const float* w, int64_t p, int
 template <int NP>
 void packed_rows512(const Int8Problem& I, const float* w, int64_t p) {
   int64_t r = 0;
-  for (; r + 12 <= I.m; r += 12) packed_micro512<12, NP>(I, w, p, r);
+  for (; r + 8 <= I.m; r += 8) packed_micro512<8, NP>(I, w, p, r);
   switch (I.m - r) {
-    case 11: packed_micro512<11, NP>(I, w, p, r); break;
-    case 10: packed_micro512<10, NP>(I, w, p, r); break;
-    case 9: packed_micro512<9, NP>(I, w, p, r); break;
-    case 8: packed_micro512<8, NP>(I, w, p, r); break;
     case 7: packed_micro512<7, NP>(I, w, p, r); break;
     case 6: packed_micro512<6, NP>(I, w, p, r); break;
     case 5: packed_micro512<5, NP>(I, w, p, r); break;
@@ -967,10 +980,16 @@ void packed_rows512(const Int8Problem& I, const float* w, int64_t p) {
   }
 }
 
-// panels [2 * q, 2 * q + 2) of w (one when it is the last of an odd count)
-void packed_pair_avx512(const Int8Problem& I, const float* w, int64_t q, int64_t panels) {
-  if (2 * q + 1 < panels) return packed_rows512<2>(I, w, 2 * q);
-  packed_rows512<1>(I, w, 2 * q);
+constexpr int64_t kGroup512 = 3;  // panels per AVX-512 tile
+
+// panels [3 * q, 3 * q + 3) of w, fewer when they are the last of the layer
+void packed_group_avx512(const Int8Problem& I, const float* w, int64_t q, int64_t panels) {
+  const int64_t p = kGroup512 * q;
+  switch (std::min<int64_t>(kGroup512, panels - p)) {
+    case 3: return packed_rows512<3>(I, w, p);
+    case 2: return packed_rows512<2>(I, w, p);
+    default: return packed_rows512<1>(I, w, p);
+  }
 }
 
 #pragma GCC pop_options
@@ -1047,8 +1066,8 @@ void packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const std::o
     B.out = I.out + r0 * n;
     B.m = std::min<int64_t>(kRowBlock, m - r0);
     if (isa >= 2) {
-      at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
-        for (int64_t q = q0; q < q1; ++q) packed_pair_avx512(B, w, q, panels);
+      at::parallel_for(0, (panels + kGroup512 - 1) / kGroup512, 1, [&](int64_t q0, int64_t q1) {
+        for (int64_t q = q0; q < q1; ++q) packed_group_avx512(B, w, q, panels);
       });
     } else {
       at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {

@@ -15,7 +15,7 @@ if not cpu_ext.load().has_avx2():
 
 from engine.models.packed import PackedLinear, can_pack, pack_linears, pack_weight  # noqa: E402
 
-ISA = cpu_ext.load().isa_level()  # 1 AVX2 (6 x 16 tile), 2 AVX-512 (12 x 32 tile)
+ISA = cpu_ext.load().isa_level()  # 1 AVX2 (6 x 16 tile), 2 AVX-512 (8 rows x 3 panels of 16)
 LEVELS = [pytest.param(1, id="avx2"),
           pytest.param(2, id="avx512", marks=pytest.mark.skipif(ISA < 2, reason="no AVX-512F on this CPU"))]
 
@@ -40,11 +40,12 @@ def test_pack_weight_layout():
         pack_weight(torch.randn(3, 4, 5))
 
 
-# m: 0 rows, the micro-kernels' remainders (1..5, 7, 11, 13), whole tiles (6, 12, 96) and more than one 96-row
-# block; n: one panel, an odd and an even number of panels (the AVX-512 tile takes panels in pairs)
+# m: 0 rows, the micro-kernels' remainders (AVX2 tile of 6 rows: 1..5, 7, 11, 13; AVX-512 tile of 8: 1..7, 9, 11,
+# 12, 13), whole tiles (6, 8, 12, 64, 96) and more than one 96-row block; n: 1, 3, 5 and 13 panels (the AVX-512
+# tile takes panels in threes, so a layer ends on a group of 1, 2 or 3), one of them not a multiple of 16
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("m", [0, 1, 2, 5, 6, 7, 11, 12, 13, 64, 96, 131, 250])
-@pytest.mark.parametrize("n,k,bias", [(16, 8, True), (35, 64, False), (5, 33, True), (200, 576, False)])
+@pytest.mark.parametrize("m", [0, 1, 2, 5, 6, 7, 8, 9, 11, 12, 13, 64, 96, 131, 250])
+@pytest.mark.parametrize("n,k,bias", [(16, 8, True), (35, 64, False), (5, 33, True), (80, 40, True), (200, 576, False)])
 def test_packed_linear_matches_float64(level, m, n, k, bias):
     g = torch.Generator().manual_seed(m * 1000 + n)
     lin = nn.Linear(k, n, bias=bias)
@@ -60,10 +61,10 @@ def test_packed_linear_matches_float64(level, m, n, k, bias):
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("panel", [0, 1])  # the AVX-512 tile's first and second panel of a pair
+@pytest.mark.parametrize("panel", [0, 1, 2, 3])  # each panel of the AVX-512 tile's group of 3, and the next
 def test_the_bound_catches_a_misplaced_channel(level, panel):
     """The check above fails a kernel that mixes up two output channels of a panel (a packing slip)."""
-    lin = nn.Linear(64, 32, bias=False)
+    lin = nn.Linear(64, 64, bias=False)
     layer = PackedLinear(lin)
     layer.max_isa = level
     layer.w_packed[panel, :, [3, 4]] = layer.w_packed[panel, :, [4, 3]]

@@ -1,7 +1,8 @@
 """Packed float32 linear layers for the CPU path: `pack_linears(model)` swaps a loaded DecoderLM's linear layers
 (and the LM head) for PackedLinear, whose weight is stored in panels of 16 output channels, [N/16, K, 16], and
 multiplied by the micro-kernels of csrc/kvllm_cpu.cpp (torch.ops.kvllm_cpu.packed_linear): a 6-row x 16-channel
-AVX2 tile, or on CPUs with AVX-512F a 12-row x 32-channel tile (one zmm per panel row), picked at run time.
+AVX2 tile, or on CPUs with AVX-512F an 8-row x 3-panel tile (one zmm per panel row, each panel streamed with a
+software prefetch ahead), picked at run time.
 
 Why: on AVX2-only CPUs MKL's sgemm runs the decode shapes of a small model (M <= 64 rows, K = hidden or
 intermediate size) well below the core's FMA peak, and these GEMMs are most of a decode step. The same
