@@ -135,8 +135,7 @@ def run_side(repo: Path, kernel: str, threads: str, repeats: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(repo)}
     out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), str(Path(__file__).resolve()), "--probe",
                           "--kernel", kernel, "--threads", threads, "--repeats", str(repeats)], cwd=repo, env=env,
-                         check=True,
-                         capture_output=True, text=True).stdout
+                         check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 

@@ -935,7 +935,6 @@ void packed_panel_avx2(const Int8Problem& I, const float* w, int64_t p) {
 // MR * NP accumulators; 8 x 3 uses 24 of the 32 registers and issues 24 FMAs per 3 weight loads and 8 broadcasts.
 // Three panel streams, each prefetched kPrefetchBytes ahead, keep more lines in flight than the 12 x 2 tile this
 // replaced (bench/kernel_ab.py --kernel linear), and the tile is no slower when the GEMM is compute-bound.
-
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx2,fma,f16c")
 

@@ -42,7 +42,7 @@ def test_pack_weight_layout():
 
 # m: 0 rows, the micro-kernels' remainders (AVX2 tile of 6 rows: 1..5, 7, 11, 13; AVX-512 tile of 8: 1..7, 9, 11,
 # 12, 13), whole tiles (6, 8, 12, 64, 96) and more than one 96-row block; n: 1, 3, 5 and 13 panels (the AVX-512
-# tile takes panels in threes, so a layer ends on a group of 1, 2 or 3), one of them not a multiple of 16
+# tile takes panels in threes, so a layer ends on a group of 1, 2 or 3), N mostly not a multiple of 16
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("m", [0, 1, 2, 5, 6, 7, 8, 9, 11, 12, 13, 64, 96, 131, 250])
 @pytest.mark.parametrize("n,k,bias", [(16, 8, True), (35, 64, False), (5, 33, True), (80, 40, True), (200, 576, False)])
