@@ -4,6 +4,7 @@
 //   rope_(q, k, cos, sin)                     rotate-half RoPE, in place, on q [T, Hq, D] and k [T, Hkv, D]
 //   silu_mul(x, out)                          out = silu(x[:, :I]) * x[:, I:]   (x = the fused gate/up projection)
 //   write_kv(k, v, kv_cache, slot_mapping)    new K/V rows into their page slots, converted to the cache's dtype
+//   argmax(x, out)                            out[r] = torch.argmax(x[r]) of float32 rows (the greedy draw)
 // Why: written in torch these are ~25 ops a layer, and each op over more than 32K elements (a decode step of 64
 // sequences already has 36K hidden values) is an OpenMP parallel region. Under passive waiting
 // (engine/threads.py) every region wakes the sleeping workers, which at 2 threads costs more than the op's own
@@ -79,6 +80,16 @@ void rope_row_portable(T* x, const float* c, const float* s, int64_t half) {
     x[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
     x[i + half] = static_cast<T>(x2 * c[i] + x1 * s[i]);
   }
+}
+
+// The index torch.argmax gives: the first largest value; a NaN counts as the largest (the first NaN wins).
+int64_t argmax_row_portable(const float* x, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > x[best]) best = i;
+  }
+  return best;
 }
 
 template <typename T>
@@ -157,6 +168,38 @@ void silu_mul_row_avx2(T* out, const T* gate, const T* up, int64_t n) {
     store8(out + i, _mm256_mul_ps(round8<T>(_mm256_div_ps(g, _mm256_add_ps(one, e))), load8(up + i)));
   }
   silu_mul_row_portable(out + i, gate + i, up + i, n - i);
+}
+
+// argmax_row_portable's answer in two passes: the row's max (2 x 8 lanes), then the first index holding it; a row
+// with a NaN goes to the portable loop (torch's NaN rule). Why: torch's argmax over a decode step's logits costs
+// several times a max over them (docs/benchmarks.md, "Greedy draw: argmax kernel").
+int64_t argmax_row_avx2(const float* x, int64_t n) {
+  if (n < 16) return argmax_row_portable(x, n);
+  __m256 m0 = _mm256_loadu_ps(x), m1 = m0, nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    m0 = _mm256_max_ps(m0, a);
+    m1 = _mm256_max_ps(m1, b);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+  }
+  const __m256 m = _mm256_max_ps(m0, m1);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  float mx = std::max(_mm_cvtss_f32(h), _mm_cvtss_f32(_mm_movehdup_ps(h)));
+  for (int64_t j = i; j < n; ++j) {
+    if (std::isnan(x[j])) return argmax_row_portable(x, n);
+    mx = std::max(mx, x[j]);
+  }
+  if (_mm256_movemask_ps(nan)) return argmax_row_portable(x, n);
+  const __m256 mv = _mm256_set1_ps(mx);
+  for (i = 0; i + 8 <= n; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), mv, _CMP_EQ_OQ));
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  for (; i < n; ++i)
+    if (x[i] == mx) return i;
+  return 0;  // not reached: mx is one of the row's values
 }
 
 #pragma GCC pop_options
@@ -282,6 +325,27 @@ void silu_mul(const at::Tensor& x, at::Tensor& out, int64_t max_isa) {
   });
 }
 
+void argmax(const at::Tensor& x, at::Tensor& out, int64_t max_isa) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 &&
+                        x.size(1) > 0,
+                    "x must be a float32 CPU tensor [N, V], V > 0, whose last dimension is contiguous");
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kLong && out.dim() == 1 &&
+                        out.size(0) == x.size(0) && out.is_contiguous(),
+                    "out must be a contiguous int64 CPU tensor [N]");
+  int64_t (*row)(const float*, int64_t) = argmax_row_portable;
+#ifdef KVLLM_X86
+  if (pick_isa(max_isa) >= 1) row = argmax_row_avx2;
+#else
+  pick_isa(max_isa);
+#endif
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t n = x.size(0), v = x.size(1), xs = x.stride(0);
+  for_rows(n, v, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op[r] = row(xp + r * xs, v);
+  });
+}
+
 // token t's [Hkv, D] rows of src (head_dim contiguous, any token and head strides) into dst, converted
 template <typename Src, typename Dst>
 void copy_heads(const at::Tensor& src, Dst* dst, int64_t t) {
@@ -349,6 +413,7 @@ TORCH_LIBRARY_FRAGMENT(kvllm_cpu, m) {
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, int max_isa=2) -> ()", &rope_);
   m.def("silu_mul(Tensor x, Tensor(a!) out, int max_isa=2) -> ()", &silu_mul);
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()", &write_kv);
+  m.def("argmax(Tensor x, Tensor(a!) out, int max_isa=2) -> ()", &argmax);
 }
 
 }  // namespace kvllm_cpu

@@ -107,7 +107,8 @@ class EngineCore:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, self.eos_token_ids,
                                             torch.get_num_threads(), stats=self.counters)
-        self.sampler = Sampler(self.eos_token_ids, config.seed, self.structured, self.stage.record_entropy)
+        self.sampler = Sampler(self.eos_token_ids, config.seed, self.structured, self.stage.record_entropy,
+                               argmax=self.model.layer_ops.argmax)
         self.lossless = LosslessController(self.kv, self.runner, self.sampler, self.counters, self.max_model_len)
         reclaim = self._reclaim if config.compress_before_preempt else None
         self.scheduler = Scheduler(

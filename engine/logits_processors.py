@@ -60,6 +60,11 @@ def apply_penalties(logits: torch.Tensor, prompts: Sequence[Sequence[int]], outp
     logits -= torch.tensor(presence, device=dev, dtype=logits.dtype).unsqueeze(1) * (counts > 0)
 
 
+def has_work(params: Sequence[Any], banned: list[list[int]]) -> bool:
+    """Whether `process` would change any row of a batch with these settings and bans."""
+    return any(banned) or any(p.logit_bias or p.has_penalties for p in params)
+
+
 def process(logits: torch.Tensor, params: Sequence[Any], prompts: Sequence[Sequence[int]],
             outputs: Sequence[Sequence[int]], banned: list[list[int]]) -> None:
     """Everything a request's settings do to its logits before the draw, for a batch of rows (in place): the

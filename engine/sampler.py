@@ -9,8 +9,12 @@ from typing import Any, Callable
 import torch
 
 from engine.errors import RequestFailedError
-from engine.logits_processors import process
+from engine.logits_processors import has_work, process
 from engine.sampling_params import SamplingParams
+
+
+def TORCH_ARGMAX(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
 
 
 def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -22,11 +26,13 @@ def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           default_generator: torch.Generator | None = None) -> torch.Tensor:
+           default_generator: torch.Generator | None = None,
+           argmax: Callable[[torch.Tensor], torch.Tensor] = TORCH_ARGMAX) -> torch.Tensor:
     """logits: float32 [B, V]. Returns int64 [B]. Greedy rows take the argmax; the others are sampled from
     the temperature-scaled, top-k/top-p-filtered distribution by inverse CDF with one uniform per row drawn
-    from the row's own generator (so a seeded request is reproducible whatever it is batched with)."""
-    tokens = logits.argmax(dim=-1)
+    from the row's own generator (so a seeded request is reproducible whatever it is batched with). `argmax`:
+    torch.argmax over the last dimension, or an implementation that gives the same indices."""
+    tokens = argmax(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens
@@ -102,8 +108,10 @@ class Sampler:
     side signals read the distribution (InfoKV's entropy), draws every row in one batch, and computes logprobs."""
 
     def __init__(self, eos_token_ids: set[int], seed: int, structured: Any,
-                 side_signals: Callable[[list, torch.Tensor], list] | None = None):
+                 side_signals: Callable[[list, torch.Tensor], list] | None = None,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = TORCH_ARGMAX):
         self.eos_token_ids = eos_token_ids
+        self.argmax = argmax  # the greedy draw (engine/models/layer_ops.py: a C++ loop on CPU float32 logits)
         self.default_generator = torch.Generator().manual_seed(seed)  # for requests without a seed
         self.structured = structured  # engine/structured.py: grammar masks of constrained rows
         self.side_signals = side_signals  # (seqs, logits) -> failures
@@ -121,14 +129,20 @@ class Sampler:
         process(logits, [s.params for s in seqs], [s.prompt_token_ids for s in seqs], outputs,
                 [self.banned(s, len(out)) for s, out in zip(seqs, outputs)])
 
+    def has_work(self, seqs: list, outputs: list[list[int]]) -> bool:
+        """Whether `process` would change any of these rows."""
+        return has_work([s.params for s in seqs], [self.banned(s, len(out)) for s, out in zip(seqs, outputs)])
+
     def sample(self, seqs: list, logits: torch.Tensor | None) -> Sampled:
         out = Sampled()
         if not seqs:
             return out
         try:  # on a copy: a failure half-way must leave the rows unprocessed for the per-row retry
-            processed = logits.clone()
-            self.process(processed, seqs, [s.output_token_ids for s in seqs])
-            logits.copy_(processed)
+            outputs = [s.output_token_ids for s in seqs]
+            if self.has_work(seqs, outputs):  # else skip the two copies of [B, V]
+                processed = logits.clone()
+                self.process(processed, seqs, outputs)
+                logits.copy_(processed)
         except Exception:  # find whose settings failed: only those requests end
             for i, seq in enumerate(seqs):
                 try:
@@ -164,9 +178,10 @@ class Sampler:
     def _draw(self, seqs: list, logits: torch.Tensor, out: Sampled) -> torch.Tensor:
         """One batched draw; if it raises, draw row by row so that only the rows that fail end their requests."""
         try:
-            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.default_generator)
+            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.default_generator,
+                          self.argmax)
         except Exception:
-            tokens = logits.argmax(dim=-1)
+            tokens = self.argmax(logits)
             for row, seq in enumerate(seqs):
                 try:
                     tokens[row] = sample(logits[row:row + 1], [seq.params], [seq.generator],

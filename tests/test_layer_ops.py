@@ -1,5 +1,5 @@
 """The C++ layer ops (csrc/layer_ops.cpp through engine/models/layer_ops.py: RMSNorm with the residual add, RoPE,
-SiLU-multiply, K/V writes) against float64 references written out here, at each kernel level the CPU has (AVX2,
+SiLU-multiply, K/V writes, the greedy draw's argmax) against float64 references written out here, at each kernel level the CPU has (AVX2,
 max_isa=1; portable, max_isa=0), on row-strided views as the model passes them; and the engine's layer_ops setting."""
 import pytest
 import torch
@@ -309,6 +309,56 @@ def test_large_inputs_split_over_threads_give_the_single_thread_result():
         assert torch.equal(a, b)
 
 
+# ---- argmax (the greedy draw) -------------------------------------------------------------------------------
+def argmax_ref(row: list[float]) -> int:
+    """A Python loop: the first largest value's index, or the first NaN's (torch.argmax's rule)."""
+    best = 0
+    for i, v in enumerate(row):
+        if v != v:
+            return i
+        if v > row[best]:
+            best = i
+    return best
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("v", [1, 7, 16, 23, 49152])
+def test_argmax_is_the_first_max_and_the_first_nan(level, v):
+    """Ties, infinities, signed zeros, NaN in the vector body, in the tail and twice, on row-strided views with an
+    offset start; the long rows also split over the threads."""
+    g = torch.Generator().manual_seed(v)
+    x = torch.randn(12, v + 5, generator=g)[:, 2:v + 2]
+    inf, nan = float("inf"), float("nan")
+    x[1] = 0.5
+    x[2, v // 2] = x[2, v - 1] = 100.0
+    x[3] = -inf
+    x[4, v - 1] = inf
+    x[5, v // 3] = nan
+    x[6, v - 1] = nan
+    x[7, v - 1] = nan
+    x[7, v // 5] = nan
+    x[8] = -1.0
+    x[8, v - 1] = 0.0
+    x[8, v // 2] = -0.0
+    x[9, :] = -inf
+    x[9, v - 1] = nan
+    out = CpuLayerOps(max_isa=level).argmax(x)
+    assert out.dtype == torch.int64 and out.shape == (12,)
+    assert out.tolist() == [argmax_ref(r) for r in x.tolist()]
+    assert out.tolist() == x.argmax(dim=-1).tolist()
+
+
+def test_argmax_takes_only_float32_rows_and_falls_back_otherwise():
+    ops = CpuLayerOps()
+    for x in (torch.randn(3, 40).bfloat16(), torch.randn(3, 40, dtype=torch.float64), torch.randn(40),
+              torch.randn(40, 3).t()):
+        assert ops.argmax(x).tolist() == x.argmax(dim=-1).tolist()
+    with pytest.raises(ValueError, match="x must be a float32"):
+        OPS.argmax(torch.randn(3, 40, dtype=torch.float64), torch.empty(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="out must be"):
+        OPS.argmax(torch.randn(3, 40), torch.empty(2, dtype=torch.int64))
+
+
 # ---- bad input ----------------------------------------------------------------------------------------------
 def test_bad_arguments_name_the_field():
     x = torch.randn(4, 8)
@@ -385,9 +435,12 @@ def test_engine_layer_ops_setting(make_engine):
     from engine.models.layer_ops import CpuLayerOps as Cpu
     from server.cli import build_parser, engine_kwargs_from_args
 
-    assert isinstance(make_engine().core.model.layer_ops, Cpu)  # auto: float32 on the CPU
+    auto = make_engine().core
+    assert isinstance(auto.model.layer_ops, Cpu)  # auto: float32 on the CPU
+    assert auto.sampler.argmax == auto.model.layer_ops.argmax  # the greedy draw takes the C++ argmax too
     eng = make_engine(layer_ops="torch")
     assert type(eng.core.model.layer_ops) is TorchLayerOps
+    assert eng.core.sampler.argmax == eng.core.model.layer_ops.argmax
     assert all(m.ops is eng.core.model.layer_ops for m in eng.core.model.modules() if hasattr(m, "ops"))
     assert isinstance(make_engine(dtype="bfloat16").core.model.layer_ops, Cpu)  # auto: bfloat16 too
     assert type(make_engine(dtype="float16").core.model.layer_ops) is TorchLayerOps  # auto: not float16

@@ -46,6 +46,10 @@ class TorchLayerOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """torch.argmax over the last dimension (the greedy draw of engine/sampler.py)."""
+        return logits.argmax(dim=-1)
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -95,6 +99,14 @@ class CpuLayerOps(TorchLayerOps):
             return super().silu_mul(x)
         out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
         self._ops.silu_mul(x, out, self.max_isa)
+        return out
+
+    def argmax(self, logits):
+        if logits.dim() != 2 or not logits.shape[1] or logits.dtype != torch.float32 or logits.device.type != "cpu" \
+                or logits.stride(-1) != 1:
+            return super().argmax(logits)
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._ops.argmax(logits, out, self.max_isa)
         return out
 
 
