@@ -172,7 +172,7 @@ void silu_mul_row_avx2(T* out, const T* gate, const T* up, int64_t n) {
 
 // argmax_row_portable's answer in two passes: the row's max (2 x 8 lanes), then the first index holding it; a row
 // with a NaN goes to the portable loop (torch's NaN rule). Why: torch's argmax over a decode step's logits costs
-// several times a max over them (docs/benchmarks.md, "Greedy draw: argmax kernel").
+// several times a max over them (docs/benchmarks.md, "Decode step against its floors").
 int64_t argmax_row_avx2(const float* x, int64_t n) {
   if (n < 16) return argmax_row_portable(x, n);
   __m256 m0 = _mm256_loadu_ps(x), m1 = m0, nan = _mm256_setzero_ps();

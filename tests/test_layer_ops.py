@@ -1,6 +1,7 @@
 """The C++ layer ops (csrc/layer_ops.cpp through engine/models/layer_ops.py: RMSNorm with the residual add, RoPE,
-SiLU-multiply, K/V writes, the greedy draw's argmax) against float64 references written out here, at each kernel level the CPU has (AVX2,
-max_isa=1; portable, max_isa=0), on row-strided views as the model passes them; and the engine's layer_ops setting."""
+SiLU-multiply, K/V writes, the greedy draw's argmax) against float64 references written out here, at each kernel
+level the CPU has (AVX2, max_isa=1; portable, max_isa=0), on row-strided views as the model passes them; and the
+engine's layer_ops setting."""
 import pytest
 import torch
 

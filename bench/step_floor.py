@@ -1,0 +1,190 @@
+"""kvllm's decode step against its two floors, at the decode batches of bench/vs_vllm.py: the step's linear layers at
+this CPU's packed-GEMM rate (or, where the batch is small, its weights at the read rate), plus its K/V reads at the
+read rate. Per row: the median step, its operator time by term (torch.profiler), each term's floor, the host time
+between operators, and the step over the sum of the floors. This is the measurement behind the vs_vllm reading's
+"which term holds a row back".
+
+    python -m bench.step_floor                                # threads 1,2; the three vs_vllm decode batches
+    python -m bench.step_floor --threads 1 --steps 8 --no-write
+
+Rates, measured in the same interpreter right before the rows: the packed GEMM's (the model's gate/up projection at
+2048 rows, the rate a prefill chunk gets) and one long read of a 1 GiB tensor (torch sum). Each thread count runs
+in its own interpreter (OpenMP reads its wait policy when torch loads).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+# (name, running sequences, KV slots each): the middle of each vs_vllm decode phase
+WORKLOADS = [("offline 64 x 256/256", 64, 384), ("offline 32 x 128/128", 32, 192),
+             ("serving 32 x 128/128, 16 at once", 16, 192)]
+TERMS = ("GEMM", "attention", "argmax", "other ops")
+
+
+def term_of(op: str) -> str:
+    if "packed_linear" in op or "int8_linear" in op or op in ("aten::addmm", "aten::mm", "aten::linear"):
+        return "GEMM"
+    if "paged_attention" in op:
+        return "attention"
+    if "argmax" in op:
+        return "argmax"
+    return "other ops"
+
+
+def rates(model, threads: int) -> dict:
+    """GFLOP/s of the packed GEMM at 2048 rows and GB/s of one long read, at `threads` threads."""
+    import torch
+
+    from bench.common import median, timed
+
+    torch.set_num_threads(threads)
+    lin = next(m for name, m in model.named_modules() if name.endswith("gate_up_proj"))
+    out_f, in_f = lin.out_features, lin.in_features
+    x = torch.randn(2048, in_f)
+    with torch.no_grad():
+        gemm_s = median(timed(lambda: lin(x), 5))
+    big = torch.ones(2 ** 28)
+    read_s = median(timed(lambda: big.sum(), 5))
+    return {"gflops": 2 * 2048 * in_f * out_f / gemm_s / 1e9, "read_gbs": big.numel() * 4 / read_s / 1e9}
+
+
+def linear_numel(model) -> tuple[int, int]:
+    """(weights of every linear layer incl. the LM head, bytes of those weights) as the step reads them."""
+    total, nbytes = 0, 0
+    for m in model.modules():
+        if hasattr(m, "in_features") and hasattr(m, "out_features"):
+            total += m.in_features * m.out_features
+            nbytes += m.in_features * m.out_features * 4  # float32 (the vs_vllm rows' dtype)
+    return total, nbytes
+
+
+def child(spec: dict) -> dict:
+    from engine.threads import configure_threads
+
+    configure_threads(spec["threads"])
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.common import median, text_prompts
+    from engine import Engine, SamplingParams
+
+    engine = Engine(model="smollm2", dtype="float32", device="cpu", max_num_seqs=64, max_num_batched_tokens=2048,
+                    max_model_len=1024, kv_cache_memory="2GiB", seed=0, enable_prefix_caching=False)
+    cfg = engine.model_config
+    out = {"rates": rates(engine.model, spec["threads"]), "rows": []}
+    torch.set_num_threads(spec["threads"])
+    weights, weight_bytes = linear_numel(engine.model)
+    kv_bytes_per_slot = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    for name, batch, slots in WORKLOADS:
+        params = SamplingParams(temperature=0, max_tokens=spec["steps"] * 2 + 16, ignore_eos=True)
+        ids = [f"{name}-{i}" for i in range(batch)]
+        for rid, prompt in zip(ids, text_prompts(engine.tokenizer, batch, slots, seed=batch)):
+            engine.add_request(prompt, params, rid)
+        prefilled = engine.stats().prompt_tokens_total + batch * slots
+        while engine.stats().prompt_tokens_total < prefilled:  # chunked prefill (decode rows ride along)
+            engine.step()
+        engine.step()  # the first step with every sequence decoding
+        walls = []
+        for _ in range(spec["steps"]):
+            t0 = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(spec["steps"]):
+                engine.step()
+        profiled = (time.perf_counter() - t0) / spec["steps"]
+        ops = {t: 0.0 for t in TERMS}
+        for e in prof.key_averages():
+            ops[term_of(e.key)] += e.self_cpu_time_total / 1e6 / spec["steps"]
+        logits = torch.randn(batch, cfg.vocab_size)
+        draw = {"torch": median([_time(lambda: logits.argmax(dim=-1)) for _ in range(20)]),
+                "kvllm": median([_time(lambda: engine.model.layer_ops.argmax(logits)) for _ in range(20)])}
+        for rid in ids:
+            engine.abort(rid)
+        engine.check_invariants()
+        out["rows"].append({"workload": name, "batch": batch, "slots": slots, "step": median(walls), "ops": ops,
+                            "host": profiled - sum(ops.values()),
+                            "flops": 2 * batch * weights, "weight_bytes": weight_bytes,
+                            "kv_bytes": batch * slots * kv_bytes_per_slot, "draw": draw})
+    return out
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_child(threads: int, steps: int) -> dict:
+    spec = json.dumps({"threads": threads, "steps": steps})
+    proc = subprocess.run([sys.executable, "-m", "bench.step_floor", "--child", spec], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"child at {threads} threads failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def table(results: dict[int, dict]) -> str:
+    ms = lambda s: f"{1e3 * s:.1f}"  # noqa: E731
+    lines = ["| threads | decode batch (running x KV slots) | step | GEMM (floor) | attention (floor) | argmax | "
+             "other ops | host | step / floors |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for threads, res in results.items():
+        r = res["rates"]
+        for row in res["rows"]:
+            gemm_floor = max(row["flops"] / (r["gflops"] * 1e9), row["weight_bytes"] / (r["read_gbs"] * 1e9))
+            kv_floor = row["kv_bytes"] / (r["read_gbs"] * 1e9)
+            ops = row["ops"]
+            lines.append(
+                f"| {threads} | {row['workload']}: {row['batch']} x {row['slots']} | {ms(row['step'])} ms | "
+                f"{ms(ops['GEMM'])} ({ms(gemm_floor)}) | {ms(ops['attention'])} ({ms(kv_floor)}) | "
+                f"{ms(ops['argmax'])} | {ms(ops['other ops'])} | {ms(row['host'])} | "
+                f"{row['step'] / (gemm_floor + kv_floor):.2f}x |")
+    lines.append("")
+    lines.append("| threads | logits [batch, vocab] | torch.argmax | kvllm argmax (csrc/layer_ops.cpp) | ratio |")
+    lines.append("|---:|---|---:|---:|---:|")
+    for threads, res in results.items():
+        for row in res["rows"]:
+            d = row["draw"]
+            lines.append(f"| {threads} | [{row['batch']}, 49152] | {1e3 * d['torch']:.2f} ms | "
+                         f"{1e3 * d['kvllm']:.2f} ms | {d['torch'] / d['kvllm']:.1f}x |")
+    rates_line = "; ".join(f"{t} thread{'s' if t > 1 else ''}: packed GEMM {res['rates']['gflops']:.0f} GFLOP/s at "
+                           f"2048 rows, read {res['rates']['read_gbs']:.1f} GB/s" for t, res in results.items())
+    return "\n".join(lines) + f"\n\nRates measured in each run: {rates_line}."
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--steps", type=int, default=12, help="timed decode steps per row (and as many profiled)")
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    t0 = time.time()
+    results = {int(t): run_child(int(t), args.steps) for t in args.threads.split(",")}
+    body = table(results) + (
+        "\n\nSmolLM2-135M-Instruct, float32 weights and K/V, greedy; each row: `batch` real-text prompts of `slots` "
+        "tokens, prefilled, then the median wall time of the decode steps that follow (every sequence running), and "
+        "torch.profiler's operator time per step by term over as many steps again. Floors: GEMM = the step's "
+        "linear-layer FLOPs (every layer and the LM head at `batch` rows) at the packed GEMM's 2048-row rate, or its "
+        "float32 weights at the read rate where that is longer; attention = the K/V bytes the step reads at the read "
+        "rate. host = the profiled steps' wall time minus their operator time (Python, scheduling, detokenization, "
+        "thread wake-ups; the profiler's own bookkeeping adds a little). "
+        f"{time.time() - t0:.0f} s.")
+    print(body)
+    if not args.no_write:
+        from bench.common import write_section
+
+        write_section("Decode step against its floors (the vs_vllm decode batches)",
+                      "python -m bench.step_floor " + " ".join(sys.argv[1:]), body)
+
+
+if __name__ == "__main__":
+    main()
