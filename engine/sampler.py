@@ -13,7 +13,7 @@ from engine.logits_processors import has_work, process
 from engine.sampling_params import SamplingParams
 
 
-def TORCH_ARGMAX(logits: torch.Tensor) -> torch.Tensor:
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
@@ -27,7 +27,7 @@ def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            default_generator: torch.Generator | None = None,
-           argmax: Callable[[torch.Tensor], torch.Tensor] = TORCH_ARGMAX) -> torch.Tensor:
+           argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> torch.Tensor:
     """logits: float32 [B, V]. Returns int64 [B]. Greedy rows take the argmax; the others are sampled from
     the temperature-scaled, top-k/top-p-filtered distribution by inverse CDF with one uniform per row drawn
     from the row's own generator (so a seeded request is reproducible whatever it is batched with). `argmax`:
@@ -109,7 +109,7 @@ class Sampler:
 
     def __init__(self, eos_token_ids: set[int], seed: int, structured: Any,
                  side_signals: Callable[[list, torch.Tensor], list] | None = None,
-                 argmax: Callable[[torch.Tensor], torch.Tensor] = TORCH_ARGMAX):
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax):
         self.eos_token_ids = eos_token_ids
         self.argmax = argmax  # the greedy draw (engine/models/layer_ops.py: a C++ loop on CPU float32 logits)
         self.default_generator = torch.Generator().manual_seed(seed)  # for requests without a seed

@@ -102,8 +102,7 @@ class CpuLayerOps(TorchLayerOps):
         return out
 
     def argmax(self, logits):
-        if logits.dim() != 2 or not logits.shape[1] or logits.dtype != torch.float32 or logits.device.type != "cpu" \
-                or logits.stride(-1) != 1:
+        if logits.dim() != 2 or not logits.shape[1] or not _kernel_ready(logits, dtype=torch.float32):
             return super().argmax(logits)
         out = torch.empty(logits.shape[0], dtype=torch.int64)
         self._ops.argmax(logits, out, self.max_isa)
