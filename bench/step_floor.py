@@ -69,7 +69,7 @@ def child(spec: dict) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.common import median, text_prompts
+    from bench.common import median, text_prompts, timed
     from engine import Engine, SamplingParams
 
     engine = Engine(model="smollm2", dtype="float32", device="cpu", max_num_seqs=64, max_num_batched_tokens=2048,
@@ -102,8 +102,8 @@ def child(spec: dict) -> dict:
         for e in prof.key_averages():
             ops[term_of(e.key)] += e.self_cpu_time_total / 1e6 / spec["steps"]
         logits = torch.randn(batch, cfg.vocab_size)
-        draw = {"torch": median([_time(lambda: logits.argmax(dim=-1)) for _ in range(20)]),
-                "kvllm": median([_time(lambda: engine.model.layer_ops.argmax(logits)) for _ in range(20)])}
+        draw = {"torch": median(timed(lambda: logits.argmax(dim=-1), 20)),
+                "kvllm": median(timed(lambda: engine.model.layer_ops.argmax(logits), 20))}
         for rid in ids:
             engine.abort(rid)
         engine.check_invariants()
@@ -112,12 +112,6 @@ def child(spec: dict) -> dict:
                             "flops": 2 * batch * weights, "weight_bytes": weight_bytes,
                             "kv_bytes": batch * slots * kv_bytes_per_slot, "draw": draw})
     return out
-
-
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def run_child(threads: int, steps: int) -> dict:

@@ -129,19 +129,16 @@ class Sampler:
         process(logits, [s.params for s in seqs], [s.prompt_token_ids for s in seqs], outputs,
                 [self.banned(s, len(out)) for s, out in zip(seqs, outputs)])
 
-    def has_work(self, seqs: list, outputs: list[list[int]]) -> bool:
-        """Whether `process` would change any of these rows."""
-        return has_work([s.params for s in seqs], [self.banned(s, len(out)) for s, out in zip(seqs, outputs)])
-
     def sample(self, seqs: list, logits: torch.Tensor | None) -> Sampled:
         out = Sampled()
         if not seqs:
             return out
         try:  # on a copy: a failure half-way must leave the rows unprocessed for the per-row retry
-            outputs = [s.output_token_ids for s in seqs]
-            if self.has_work(seqs, outputs):  # else skip the two copies of [B, V]
+            params, outputs = [s.params for s in seqs], [s.output_token_ids for s in seqs]
+            banned = [self.banned(s, len(o)) for s, o in zip(seqs, outputs)]
+            if has_work(params, banned):  # else skip the two copies of [B, V]
                 processed = logits.clone()
-                self.process(processed, seqs, outputs)
+                process(processed, params, [s.prompt_token_ids for s in seqs], outputs, banned)
                 logits.copy_(processed)
         except Exception:  # find whose settings failed: only those requests end
             for i, seq in enumerate(seqs):
