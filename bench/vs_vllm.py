@@ -50,7 +50,7 @@ def offline(args, tok, out: Path, log: list) -> list[dict]:
                  for k, (n, i, o) in enumerate(sizes)]
     results = []
     for threads in args.thread_counts:
-        spec = {"model_dir": str(args.model_dir), "threads": threads, "max_num_seqs": MAX_NUM_SEQS,
+        spec = {"model_dir": str(args.model_dir), "kvllm_model": args.kvllm_model, "threads": threads, "max_num_seqs": MAX_NUM_SEQS,
                 "max_num_batched_tokens": MAX_BATCHED, "max_model_len": MAX_MODEL_LEN, "kv_cache_gib": KV_GIB,
                 "repeats": args.repeats, "warmup_prompts": text_prompts(tok, 2, 16, seed=99),
                 "workloads": workloads, "vllm_kwargs": {"enable_prefix_caching": False},
@@ -100,7 +100,7 @@ def serving(args, tok, out: Path, log: list) -> list[dict]:
         for engine in args.engine_order:
             server = (vllm_server(args.model_dir, args.port, threads, out / f"serve_{engine}_t{threads}.log",
                                   kv_gib=KV_GIB, flags=common_flags("vllm"), dtype=args.dtype) if engine == "vllm"
-                      else kvllm_server(args.model_dir, args.port, threads, out / f"serve_{engine}_t{threads}.log",
+                      else kvllm_server(args.kvllm_model, args.port, threads, out / f"serve_{engine}_t{threads}.log",
                                         flags=common_flags("kvllm"), dtype=args.dtype))
             with server:
                 print(f"serving: {engine} t={threads} up in {server.startup_s:.0f} s", flush=True)
@@ -152,7 +152,7 @@ def memory(args, tok, out: Path, log: list) -> list[dict]:
             # (this machine is shared); the override sets the pool
             server = (vllm_server(args.model_dir, args.port, threads, log_path, kv_gib=1,
                                   flags=base + settings[name], dtype=args.dtype) if name == "vllm" else
-                      kvllm_server(args.model_dir, args.port, threads, log_path, flags=base + settings[name],
+                      kvllm_server(args.kvllm_model, args.port, threads, log_path, flags=base + settings[name],
                                    dtype=args.dtype))
             with server:
                 res = out / f"memory_{name}_t{threads}.json"
@@ -184,6 +184,10 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="folder for every JSON and log (default build/vs_vllm/<time>)")
     ap.add_argument("--skip-check", action="store_true", help="skip the GGUF-vs-directory greedy check")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md or docs/results/")
+    ap.add_argument("--kvllm-model", default="gguf", choices=["gguf", "dir"],
+                    help="what kvllm loads: gguf = its default model 'smollm2', the .gguf the directory is dequantized "
+                         "from (float32 on a CPU with AVX2 keeps the file's blocks, engine/models/gguf_linear.py; "
+                         "vLLM 0.32 loads no .gguf), dir = the directory vLLM loads")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="both engines' --dtype; bfloat16 is what both pick by default on a CPU with AVX512-BF16 or "
                          "AMX, and its table goes to its own section")
@@ -198,6 +202,7 @@ def main() -> None:
 
     ensure_venv()
     args.model_dir = ensure_model_dir()
+    args.kvllm_model = "smollm2" if args.kvllm_model == "gguf" else str(args.model_dir)
     check = None if args.skip_check else check_greedy_equal(args.model_dir, max_tokens=16 if args.quick else 48)
     from transformers import AutoTokenizer
 

@@ -1,6 +1,8 @@
 // kvllm's CPU kernels, registered as torch ops (torch.ops.kvllm_cpu.*):
 //   paged_attention: attention that reads K/V in place from kvllm's page tensor (below);
 //   int8_linear: y = x @ (W_int8 * scale)^T + bias, weight-only int8 (engine/models/quant.py), further down.
+//   block_linear: the same y with W held as a GGUF file's blocks (engine/models/gguf_linear.py), bit-identical to
+//   packed_linear on the dequantized weights.
 //
 // Paged attention.
 // Layout (paging/kv_cache.py): one layer is [num_blocks, 2, block_size, Hkv, D], [:, 0] = K, [:, 1] = V.
@@ -929,6 +931,21 @@ void packed_panel_avx2(const Int8Problem& I, const float* w, int64_t p) {
   int8_rows(I, StreamedFloatWeights{{w + p * I.k * kPanel, I.k}}, p);
 }
 
+// One panel of GGUF blocks to floats, as dequant_panels_avx512 (which says why the values are exact).
+void dequant_panel_avx2(const int8_t* q, const float* d, const float* m, int64_t k, int64_t group, float* out) {
+  for (int64_t g = 0; g < k / group; ++g) {
+    const __m256 d0 = _mm256_loadu_ps(d + g * kPanel), d1 = _mm256_loadu_ps(d + g * kPanel + 8);
+    const __m256 m0 = _mm256_loadu_ps(m + g * kPanel), m1 = _mm256_loadu_ps(m + g * kPanel + 8);
+    for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) {
+      const __m128i qv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * kPanel));
+      const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qv));
+      const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(qv, 8)));
+      _mm256_store_ps(out + kk * kPanel, _mm256_fmadd_ps(q0, d0, m0));
+      _mm256_store_ps(out + kk * kPanel + 8, _mm256_fmadd_ps(q1, d1, m1));
+    }
+  }
+}
+
 #pragma GCC pop_options
 
 // AVX-512 packed micro-kernel: a panel row (16 channels) is one zmm, so a tile of MR rows x NP panels keeps
@@ -938,24 +955,61 @@ void packed_panel_avx2(const Int8Problem& I, const float* w, int64_t p) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx2,fma,f16c")
 
-template <int MR, int NP>
-inline void packed_micro512(const Int8Problem& I, const float* w, int64_t p, int64_t r0) {
+// Weight sources of the AVX-512 tile, each giving panel n's 16 weights of input column k. Panels512: packed_linear's
+// float panels [K, 16] read in place, each line prefetched kPrefetchBytes ahead.
+struct Panels512 {
+  const float* wp;   // panel 0; panel n at wp + n * K * 16
+  int64_t kk;
+  int64_t group;     // = K: one group
+  inline void begin_group(int64_t) {}
+  inline __m512 get(int64_t k, int n) const {
+    const float* row = wp + (n * kk + k) * kPanel;  // one 64-byte line per panel and k
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+    return _mm512_loadu_ps(row);
+  }
+};
+
+// GGUF blocks (block_linear) dequantized in registers: d * q + m, exact as dequant_panels_avx512 says. For few rows,
+// where every weight is used by at most a handful of FMAs and converting it once into scratch costs as much.
+struct Blocks512 {
+  const int8_t* q;   // panel 0 [K, 16]; panel n at q + n * K * 16
+  const float* d;    // panel 0 [K / G, 16]; panel n at d + n * (K / G) * 16
+  const float* m;
+  int64_t kk;
+  int64_t group;
+  const float* dg = nullptr;
+  const float* mg = nullptr;
+  inline void begin_group(int64_t g0) {
+    dg = d + (g0 / group) * kPanel;
+    mg = m + (g0 / group) * kPanel;
+  }
+  inline __m512 get(int64_t k, int n) const {
+    const int8_t* row = q + (n * kk + k) * kPanel;
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+    const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+    const int64_t off = n * (kk / group) * kPanel;
+    return _mm512_fmadd_ps(qf, _mm512_loadu_ps(dg + off), _mm512_loadu_ps(mg + off));
+  }
+};
+
+// MR rows x NP panels of outputs (columns [16 p, 16 (p + NP))); every accumulator sums over k in order, whatever
+// the weight source, so both sources give bit-identical results for the same weight values.
+template <int MR, int NP, typename W>
+inline void packed_micro512(const Int8Problem& I, W wsrc, int64_t p, int64_t r0) {
   const float* x = I.x + r0 * I.k;
-  const int64_t kk = I.k;
-  const float* wp = w + p * kk * kPanel;
+  const int64_t kk = I.k, group = wsrc.group;
   __m512 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NP; ++n) acc[r][n] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kk; ++k) {
-    __m512 wv[NP];
-    for (int n = 0; n < NP; ++n) {
-      const float* row = wp + (n * kk + k) * kPanel;  // one 64-byte line per panel and k
-      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
-      wv[n] = _mm512_loadu_ps(row);
-    }
-    for (int r = 0; r < MR; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * kk + k]);
-      for (int n = 0; n < NP; ++n) acc[r][n] = _mm512_fmadd_ps(xb, wv[n], acc[r][n]);
+  for (int64_t g0 = 0; g0 < kk; g0 += group) {
+    wsrc.begin_group(g0);
+    for (int64_t k = g0; k < g0 + group; ++k) {
+      __m512 wv[NP];
+      for (int n = 0; n < NP; ++n) wv[n] = wsrc.get(k, n);
+      for (int r = 0; r < MR; ++r) {
+        const __m512 xb = _mm512_set1_ps(x[r * kk + k]);
+        for (int n = 0; n < NP; ++n) acc[r][n] = _mm512_fmadd_ps(xb, wv[n], acc[r][n]);
+      }
     }
   }
   alignas(64) float buf[MR * NP * kPanel];  // constant-index spill, as in int8_micro
@@ -966,18 +1020,18 @@ inline void packed_micro512(const Int8Problem& I, const float* w, int64_t p, int
     for (int n = 0; n < NP; ++n) int8_store(I, r0 + r, (p + n) * kPanel, buf + (r * NP + n) * kPanel);
 }
 
-template <int NP>
-void packed_rows512(const Int8Problem& I, const float* w, int64_t p) {
+template <int NP, typename W>
+void packed_rows512(const Int8Problem& I, const W& wsrc, int64_t p) {
   int64_t r = 0;
-  for (; r + 8 <= I.m; r += 8) packed_micro512<8, NP>(I, w, p, r);
+  for (; r + 8 <= I.m; r += 8) packed_micro512<8, NP>(I, wsrc, p, r);
   switch (I.m - r) {
-    case 7: packed_micro512<7, NP>(I, w, p, r); break;
-    case 6: packed_micro512<6, NP>(I, w, p, r); break;
-    case 5: packed_micro512<5, NP>(I, w, p, r); break;
-    case 4: packed_micro512<4, NP>(I, w, p, r); break;
-    case 3: packed_micro512<3, NP>(I, w, p, r); break;
-    case 2: packed_micro512<2, NP>(I, w, p, r); break;
-    case 1: packed_micro512<1, NP>(I, w, p, r); break;
+    case 7: packed_micro512<7, NP>(I, wsrc, p, r); break;
+    case 6: packed_micro512<6, NP>(I, wsrc, p, r); break;
+    case 5: packed_micro512<5, NP>(I, wsrc, p, r); break;
+    case 4: packed_micro512<4, NP>(I, wsrc, p, r); break;
+    case 3: packed_micro512<3, NP>(I, wsrc, p, r); break;
+    case 2: packed_micro512<2, NP>(I, wsrc, p, r); break;
+    case 1: packed_micro512<1, NP>(I, wsrc, p, r); break;
     default: break;
   }
 }
@@ -987,10 +1041,31 @@ constexpr int64_t kGroup512 = 3;  // panels per AVX-512 tile
 // panels [3 * q, 3 * q + 3) of w, fewer when they are the last of the layer
 void packed_group_avx512(const Int8Problem& I, const float* w, int64_t q, int64_t panels) {
   const int64_t p = kGroup512 * q;
+  const Panels512 wsrc{w + p * I.k * kPanel, I.k, I.k};
   switch (std::min<int64_t>(kGroup512, panels - p)) {
-    case 3: return packed_rows512<3>(I, w, p);
-    case 2: return packed_rows512<2>(I, w, p);
-    default: return packed_rows512<1>(I, w, p);
+    case 3: return packed_rows512<3>(I, wsrc, p);
+    case 2: return packed_rows512<2>(I, wsrc, p);
+    default: return packed_rows512<1>(I, wsrc, p);
+  }
+}
+
+// GGUF blocks (block_linear below): `count` panels of q [K, 16] int8 with d, m [K / G, 16] float32 each, to float
+// panels [K, 16] in `out`. d * q is exact in float32 (at most an 11-bit by 8-bit product), so with or without a
+// fused multiply-add the value is d * q + m rounded once, as the loader's dequantization computes it.
+void dequant_panels_avx512(const int8_t* q, const float* d, const float* m, int64_t k, int64_t group,
+                           int64_t count, float* out) {
+  const int64_t groups = k / group;
+  for (int64_t n = 0; n < count; ++n) {
+    const int8_t* qn = q + n * k * kPanel;
+    float* on = out + n * k * kPanel;
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 dv = _mm512_loadu_ps(d + (n * groups + g) * kPanel);
+      const __m512 mv = _mm512_loadu_ps(m + (n * groups + g) * kPanel);
+      for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) {
+        const __m128i qv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + kk * kPanel));
+        _mm512_store_ps(on + kk * kPanel, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qv)), dv, mv));
+      }
+    }
   }
 }
 
@@ -1080,6 +1155,90 @@ void packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const std::o
 #endif
 }
 
+// y = x @ W^T + bias with W held as a GGUF file's 32-column blocks (engine/models/gguf_linear.py): q int8
+// [N/16, K, 16] and d, m float32 [N/16, K/G, 16], w = d * q + m. For a few rows the tile dequantizes in registers;
+// else a group of panels (3 with AVX-512, 1 with AVX2) is dequantized once per block of rows into thread scratch
+// and multiplied there with packed_linear's tile: every output is the same products summed in the same order as
+// packed_linear on the dequantized weights, so the result is bit-identical to it, while the weights cross the
+// memory bus at ~1.25 bytes each instead of 4.
+// Rows up to which the AVX-512 path dequantizes in registers, once per tile of 8 rows (measured on SmolLM2's
+// shapes: faster than scratch up to 16 rows, slower from 32).
+constexpr int64_t kBlocksInRegisters = 16;
+
+#ifdef KVLLM_X86
+// block_linear over one block of rows (B.m <= kRowBlock): groups of `per` panels split over torch's threads.
+void block_rows(const Int8Problem& B, const int8_t* q, const float* dp, const float* mp, int64_t groups,
+                int64_t group, int64_t panels, int64_t per, int64_t isa) {
+  const int64_t k = B.k;
+  at::parallel_for(0, (panels + per - 1) / per, 1, [&](int64_t g0, int64_t g1) {
+    // a group's floats, grown once per thread: a fresh vector each call would be an mmap and its page faults
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < static_cast<size_t>(per * k * kPanel + 16)) scratch.resize(per * k * kPanel + 16);
+    float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p = g * per, count = std::min<int64_t>(per, panels - p);
+      const int8_t* qg = q + p * k * kPanel;
+      const float* dg = dp + p * groups * kPanel;
+      const float* mg = mp + p * groups * kPanel;
+      if (isa >= 2 && B.m <= kBlocksInRegisters) {
+        const Blocks512 wsrc{qg, dg, mg, k, group};
+        switch (count) {
+          case 3: packed_rows512<3>(B, wsrc, p); break;
+          case 2: packed_rows512<2>(B, wsrc, p); break;
+          default: packed_rows512<1>(B, wsrc, p); break;
+        }
+      } else if (isa >= 2) {
+        // the group once into scratch (L2), then packed_linear's tile reads it in place for every row
+        dequant_panels_avx512(qg, dg, mg, k, group, count, panel);
+        const Panels512 wsrc{panel, k, k};
+        switch (count) {
+          case 3: packed_rows512<3>(B, wsrc, p); break;
+          case 2: packed_rows512<2>(B, wsrc, p); break;
+          default: packed_rows512<1>(B, wsrc, p); break;
+        }
+      } else {
+        dequant_panel_avx2(qg, dg, mg, k, group, panel);
+        int8_rows(B, FloatWeights{panel, k}, p);
+      }
+    }
+  });
+}
+
+#endif
+
+void block_linear(const at::Tensor& x, const at::Tensor& q_packed, const at::Tensor& d, const at::Tensor& m_,
+                  const std::optional<at::Tensor>& bias, at::Tensor& out, int64_t max_isa) {
+  const auto [m, k, n, panels] = check_linear(x, q_packed, at::kChar, "int8", bias, out);
+  for (const at::Tensor* t : {&d, &m_}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                          t->size(0) == panels && t->size(2) == kPanel && t->size(1) > 0 && k % t->size(1) == 0 &&
+                          t->sizes() == d.sizes(),
+                      "d and m must be contiguous float32 [N/16, groups, 16] tensors of one shape, groups dividing K=",
+                      k);
+  }
+  const int64_t isa = pick_isa(max_isa);
+  TORCH_CHECK_VALUE(isa >= 1, "block_linear needs AVX2 + FMA (max_isa >= 1 on a CPU that has them)");
+  const int64_t group = k / d.size(1), groups = d.size(1);
+  Int8Problem I{x.data_ptr<float>(), nullptr, nullptr, bias ? bias->data_ptr<float>() : nullptr,
+                out.data_ptr<float>(), m, k, n, k};
+  if (m == 0) return;
+  const int8_t* q = q_packed.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = m_.data_ptr<float>();
+#ifdef KVLLM_X86
+  const int64_t per = isa >= 2 ? kGroup512 : 1;  // panels dequantized together
+  // Row blocks of kRowBlock, as in packed_linear: a block's x rows stay in L2 while the panels pass (each block
+  // dequantizes the panels again, a few percent of its FMAs).
+  for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+    Int8Problem B = I;
+    B.x = I.x + r0 * k;
+    B.out = I.out + r0 * n;
+    B.m = std::min<int64_t>(kRowBlock, m - r0);
+    block_rows(B, q, dp, mp, groups, group, panels, per, isa);
+  }
+#endif
+}
+
 bool has_avx2() { return cpu_has_avx2(); }
 int64_t isa_level() { return best_isa(); }
 
@@ -1093,6 +1252,8 @@ TORCH_LIBRARY(kvllm_cpu, m) {
         "bool force_portable=False) -> ()", &int8_linear);
   m.def("packed_linear(Tensor x, Tensor w_packed, Tensor? bias, Tensor(a!) out, int max_isa=2) -> ()",
         &packed_linear);
+  m.def("block_linear(Tensor x, Tensor q_packed, Tensor d, Tensor m, Tensor? bias, Tensor(a!) out, int max_isa=2) "
+        "-> ()", &block_linear);
   m.def("has_avx2() -> bool", &has_avx2);
   m.def("isa_level() -> int", &isa_level);
 }

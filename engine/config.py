@@ -15,6 +15,7 @@ from engine.hub import ModelSource
 from engine.models.layer_ops import LAYER_OPS
 from engine.models.packed import GEMM_BACKENDS
 from engine.models import onednn as _onednn  # noqa: F401  (registers gemm_backend 'onednn')
+from engine.models import gguf_linear as _gguf_linear  # noqa: F401  (registers gemm_backend 'gguf')
 from engine.models.quant import QUANTIZATIONS
 from engine.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES
 from paging.kv_cache import bytes_per_block, num_blocks_for_memory
@@ -156,9 +157,12 @@ class EngineConfig:
     attention_backend: str = setting("auto", choices=_choices(ATTENTION_BACKENDS),
                                      help="auto: FlashInfer on CUDA, the C++ paged kernel on CPU, else torch")
     gemm_backend: str = setting("auto", choices=_choices(GEMM_BACKENDS),
-                                help="linear layers: cpu = packed float32 panels through the C++ kernel, onednn = "
-                                     "bfloat16 weights packed once for oneDNN, torch = F.linear; auto: cpu on an "
-                                     "AVX2 CPU for a float32 unquantized model, onednn for a bfloat16 one on the CPU")
+                                help="linear layers: cpu = packed float32 panels through the C++ kernel, gguf = a float32 "
+                                     "model loaded from a .gguf keeps the file's Q4_0/Q4_1/Q8_0 blocks and the kernel "
+                                     "dequantizes them (results equal cpu's, ~3x less weight memory), onednn = "
+                                     "bfloat16 weights packed once for oneDNN, torch = F.linear; auto: on an AVX2 "
+                                     "CPU gguf for a float32 unquantized model loaded from a .gguf, cpu for any other "
+                                     "float32 one, onednn for a bfloat16 one on the CPU")
     layer_ops: str = setting("auto", choices=_choices(LAYER_OPS),
                              help="RMSNorm (+ residual), RoPE, SiLU-multiply, the greedy argmax: cpu = C++ ops, "
                                   "torch = torch ops; auto: cpu for a float32 or bfloat16 model on the CPU")
@@ -231,7 +235,7 @@ class EngineConfig:
             registry.get(getattr(self, name))  # a ValueError naming the setting and its choices
         if self.quantization is not None:
             QUANTIZATIONS.get(self.quantization)
-        if self.gemm_backend in ("cpu", "onednn") and self.quantization is not None:
+        if self.gemm_backend in ("cpu", "gguf", "onednn") and self.quantization is not None:
             raise ValueError(f"gemm_backend={self.gemm_backend!r} packs the model's own weights; "
                              f"quantization={self.quantization!r} brings its own kernel (use gemm_backend 'auto')")
         for name in ("swap_space", "lossless_host_memory"):

@@ -81,6 +81,7 @@ class EngineCore:
         if config.quantization is not None:
             QUANTIZATIONS.get(config.quantization)(self.model)
         GEMM_BACKENDS.get(config.gemm_backend)(self.model, config.quantization is not None)
+        self.model.gguf_reader = None  # the GGUF file's mapping (kept by the loader for gemm_backend 'gguf')
         return (config.resolve_num_blocks(self.model_config, self.kv_dtype, self.device),
                 config.host_blocks(self.model_config, self.kv_dtype), KVCacheManager)
 

@@ -223,11 +223,16 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup
                                                         local_files_only=True)
         if src.tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))  # the one parsed above (parsing the vocabulary takes seconds)
     if src.tokenizer is not None:  # a named tokenizer replaces the one inside the GGUF file
         tokenizer = load_tokenizer(src)
     config = ModelConfig.from_hf(hf_model.config)
     model = _empty_model(config, dtype, device, tp)
     model.load_hf_weights(hf_model.state_dict().items())
+    # gemm_backend 'gguf' reads the file's blocks from here (engine/models/gguf_linear.py)
+    model.gguf_path, model.gguf_reader = path, reader
     if export_dir is not None:  # the dequantized tensors, for the other tensor-parallel ranks
         from safetensors.torch import save_file
 

@@ -12,7 +12,8 @@ every batch size measured, and on an AVX-512 core (AMD Zen 5) the AVX-512 tile b
 differ from F.linear by float32 rounding only (tests/test_packed_linear.py).
 
 Engine use: EngineConfig.gemm_backend ('auto' packs on a CPU with AVX2, AVX-512 CPUs included, when the model is
-float32, unsharded and not quantized). The embedding keeps its float32 table; a tied LM head gets a packed copy
+float32, unsharded and not quantized; a model loaded from a .gguf file gets engine/models/gguf_linear.py's
+BlockLinear instead, the same kernel tile on the file's own blocks). The embedding keeps its float32 table; a tied LM head gets a packed copy
 of it.
 """
 from __future__ import annotations
@@ -152,13 +153,17 @@ def _cpu_gemm(model: nn.Module, quantized: bool) -> None:
 
 @GEMM_BACKENDS.register("auto")
 def _auto_gemm(model: nn.Module, quantized: bool) -> None:
-    """Packs where it can run: a float32 model into these panels (CPU with AVX2, unsharded), a bfloat16 one for
-    oneDNN (engine/models/onednn.py); a quantized model keeps its own kernel."""
-    from engine.models import onednn
+    """Packs where it can run: a float32 model into these panels (CPU with AVX2, unsharded; one loaded from a .gguf
+    keeps the file's blocks, engine/models/gguf_linear.py, with the same results), a bfloat16 one for oneDNN
+    (engine/models/onednn.py); a quantized model keeps its own kernel."""
+    from engine.models import gguf_linear, onednn
 
     if quantized:
         return
     if can_pack(model) is None:
-        pack_linears(model)
+        if getattr(model, "gguf_path", None) is not None:
+            gguf_linear.block_linears(model)
+        else:
+            pack_linears(model)
     elif onednn.can_pack(model) is None:
         onednn.pack_linears(model)
