@@ -58,7 +58,8 @@ def main() -> None:
             for _ in range(args.repeats):
                 for b in BACKENDS:
                     times[b] += timed(lambda: [m(xs[m.in_features]) for m in use[b]], 1)
-            equal = all(torch.equal(a(xs[a.in_features]), g(xs[g.in_features])) for a, g in zip(use["cpu"], use["gguf"]))
+            equal = all(torch.equal(a(xs[a.in_features]), g(xs[g.in_features]))
+                        for a, g in zip(use["cpu"], use["gguf"]))
         c, g = median(times["cpu"]), median(times["gguf"])
         lines.append(f"| {rows} | {1e3 * c:.1f} ms | {1e3 * g:.1f} ms | {c / g:.2f}x | {'yes' if equal else 'NO'} |")
         print(lines[-1], flush=True)

@@ -50,7 +50,8 @@ def offline(args, tok, out: Path, log: list) -> list[dict]:
                  for k, (n, i, o) in enumerate(sizes)]
     results = []
     for threads in args.thread_counts:
-        spec = {"model_dir": str(args.model_dir), "kvllm_model": args.kvllm_model, "threads": threads, "max_num_seqs": MAX_NUM_SEQS,
+        spec = {"model_dir": str(args.model_dir), "kvllm_model": args.kvllm_model, "threads": threads,
+                "max_num_seqs": MAX_NUM_SEQS,
                 "max_num_batched_tokens": MAX_BATCHED, "max_model_len": MAX_MODEL_LEN, "kv_cache_gib": KV_GIB,
                 "repeats": args.repeats, "warmup_prompts": text_prompts(tok, 2, 16, seed=99),
                 "workloads": workloads, "vllm_kwargs": {"enable_prefix_caching": False},

@@ -147,7 +147,8 @@ def run_kvllm(spec: dict) -> dict:
     from bench.common import run_requests
     from engine import Engine, SamplingParams
 
-    engine = Engine(model=spec.get("kvllm_model", spec["model_dir"]), dtype=spec.get("dtype", "float32"), device="cpu",
+    engine = Engine(model=spec.get("kvllm_model", spec["model_dir"]), dtype=spec.get("dtype", "float32"),
+                    device="cpu",
                     max_num_seqs=spec["max_num_seqs"],
                     max_num_batched_tokens=spec["max_num_batched_tokens"], max_model_len=spec["max_model_len"],
                     kv_cache_memory=f"{spec['kv_cache_gib']}GiB", seed=0, **spec.get("kvllm_kwargs", {}))

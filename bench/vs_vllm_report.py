@@ -152,8 +152,8 @@ def render(data: dict, sizes: dict, args) -> str:
                 "and keeps its Q4_1/Q8_0 blocks, dequantized inside its GEMM to the same float32 values "
                 "(engine/models/gguf_linear.py; vLLM 0.32 loads no .gguf)" if args.kvllm_model == "smollm2" else
                 "(the GGUF dequantized into a float32 Hugging Face directory both load")
-             + (f"; kvllm's greedy tokens on the directory equal those on the GGUF, {data['check']['prompts']} prompts x "
-                f"{data['check']['tokens_each']} tokens" if data.get("check") else "") + "). Threads: vLLM binds N OpenMP threads to cores 0..N-1 "
+             + (f"; kvllm's greedy tokens on the directory equal those on the GGUF, {data['check']['prompts']} "
+                f"prompts x {data['check']['tokens_each']} tokens" if data.get("check") else "") + "). Threads: vLLM binds N OpenMP threads to cores 0..N-1 "
              "(VLLM_CPU_OMP_THREADS_BIND), idle ones spinning as libgomp does by default (~300k spins); kvllm runs N "
              "torch threads, idle ones sleeping after 1500 spins offline and at once in its server (engine/threads.py, "
              "server/cli.py); neither pins its other threads (vLLM's API-server and engine-core processes, "

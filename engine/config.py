@@ -157,12 +157,12 @@ class EngineConfig:
     attention_backend: str = setting("auto", choices=_choices(ATTENTION_BACKENDS),
                                      help="auto: FlashInfer on CUDA, the C++ paged kernel on CPU, else torch")
     gemm_backend: str = setting("auto", choices=_choices(GEMM_BACKENDS),
-                                help="linear layers: cpu = packed float32 panels through the C++ kernel, gguf = a float32 "
-                                     "model loaded from a .gguf keeps the file's Q4_0/Q4_1/Q8_0 blocks and the kernel "
-                                     "dequantizes them (results equal cpu's, ~3x less weight memory), onednn = "
-                                     "bfloat16 weights packed once for oneDNN, torch = F.linear; auto: on an AVX2 "
-                                     "CPU gguf for a float32 unquantized model loaded from a .gguf, cpu for any other "
-                                     "float32 one, onednn for a bfloat16 one on the CPU")
+                                help="linear layers: cpu = packed float32 panels through the C++ kernel, gguf = a "
+                                     "float32 model loaded from a .gguf keeps the file's Q4_0/Q4_1/Q8_0 blocks and "
+                                     "the kernel dequantizes them (results equal cpu's, ~3x less weight memory), "
+                                     "onednn = bfloat16 weights packed once for oneDNN, torch = F.linear; auto: on an "
+                                     "AVX2 CPU gguf for a float32 unquantized model loaded from a .gguf, cpu for any "
+                                     "other float32 one, onednn for a bfloat16 one on the CPU")
     layer_ops: str = setting("auto", choices=_choices(LAYER_OPS),
                              help="RMSNorm (+ residual), RoPE, SiLU-multiply, the greedy argmax: cpu = C++ ops, "
                                   "torch = torch ops; auto: cpu for a float32 or bfloat16 model on the CPU")

@@ -1,10 +1,10 @@
 """Linear layers that keep a GGUF file's quantized blocks: `gemm_backend='gguf'` (and 'auto' on an AVX2 CPU) swaps
-the linear layers of a float32 DecoderLM loaded from a .gguf file for BlockLinear layers holding the file's own Q4_0 / Q4_1 / Q8_0 blocks (w = d * q + m per 32
-input columns), multiplied by csrc/kvllm_cpu.cpp's block_linear.
+the linear layers of a float32 DecoderLM loaded from a .gguf file for BlockLinear layers holding the file's own
+Q4_0 / Q4_1 / Q8_0 blocks (w = d * q + m per 32 input columns), multiplied by csrc/kvllm_cpu.cpp's block_linear.
 
 Why: the loader dequantizes a GGUF model into float32 (transformers' GGUF support), so every decode step then
 streams 4 bytes a weight although the file holds ~0.6. Here each weight stays one int8 q (plus a float32 d and m
-per 32 weights, ~1.25 bytes a weight) and is dequantized inside the GEMM, in registers or in an L1 chunk. The
+per 32 weights, ~1.25 bytes a weight) and is dequantized inside the GEMM, in registers or into an L2 scratch panel. The
 values are the loader's exactly (d * q is exact in float32, so d * q + m rounds once, as numpy's dequantization
 does) and the kernel sums them in packed_linear's order: outputs are bit-identical to gemm_backend='cpu' on the
 same model (tests/test_gguf_linear.py), and the model's weights take ~3x less memory. At the few rows of a small
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.models.packed import GEMM_BACKENDS, PANEL, PackedLinear, can_pack, swap_linears
+from engine.models.packed import GEMM_BACKENDS, PANEL, PackedLinear, can_pack, rows_through, swap_linears
 
 logger = logging.getLogger("kvllm")
 
@@ -149,13 +149,8 @@ class BlockLinear(nn.Module):
         return dequantize(unpack(self.q_packed), unpack(self.d), unpack(self.m))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.float().contiguous()
-        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x.device)
-        self._ops.block_linear(x2, self.q_packed, self.d, self.m, self.bias, out, self.max_isa)
-        return out.view(*shape[:-1], self.out_features)
+        return rows_through(x, self.in_features, self.out_features, lambda x2, out: self._ops.block_linear(
+            x2, self.q_packed, self.d, self.m, self.bias, out, self.max_isa))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -13,8 +13,8 @@ differ from F.linear by float32 rounding only (tests/test_packed_linear.py).
 
 Engine use: EngineConfig.gemm_backend ('auto' packs on a CPU with AVX2, AVX-512 CPUs included, when the model is
 float32, unsharded and not quantized; a model loaded from a .gguf file gets engine/models/gguf_linear.py's
-BlockLinear instead, the same kernel tile on the file's own blocks). The embedding keeps its float32 table; a tied LM head gets a packed copy
-of it.
+BlockLinear instead, the same kernel tile on the file's own blocks). The embedding keeps its float32 table; a tied
+LM head gets a packed copy of it.
 """
 from __future__ import annotations
 
@@ -45,6 +45,19 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     return w.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
+def rows_through(x: torch.Tensor, in_features: int, out_features: int,
+                 kernel: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    """x [..., in] as contiguous float32 rows [M, in] through `kernel(rows, out)`, which fills out [M, out];
+    returns out as [..., out]."""
+    shape = x.shape
+    x2 = x.reshape(-1, in_features)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()
+    out = torch.empty(x2.shape[0], out_features, dtype=torch.float32, device=x.device)
+    kernel(x2, out)
+    return out.view(*shape[:-1], out_features)
+
+
 class PackedLinear(nn.Module):
     """Drop-in for a float32 nn.Linear (y = x W^T + b) on the CPU, weight in 16-channel panels."""
 
@@ -66,13 +79,8 @@ class PackedLinear(nn.Module):
         return self.w_packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.float().contiguous()
-        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32, device=x.device)
-        self._ops.packed_linear(x2, self.w_packed, self.bias, out, self.max_isa)
-        return out.view(*shape[:-1], self.out_features)
+        return rows_through(x, self.in_features, self.out_features,
+                            lambda x2, out: self._ops.packed_linear(x2, self.w_packed, self.bias, out, self.max_isa))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
