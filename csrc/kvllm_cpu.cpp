@@ -1161,11 +1161,22 @@ void packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const std::o
 // and multiplied there with packed_linear's tile: every output is the same products summed in the same order as
 // packed_linear on the dequantized weights, so the result is bit-identical to it, while the weights cross the
 // memory bus at ~1.25 bytes each instead of 4.
-// Rows up to which the AVX-512 path dequantizes in registers, once per tile of 8 rows (measured on SmolLM2's
-// shapes: faster than scratch up to 16 rows, slower from 32).
+// Rows up to which the AVX-512 path dequantizes in registers (measured on SmolLM2's shapes: faster than scratch up to
+// 16 rows, slower from 32).
 constexpr int64_t kBlocksInRegisters = 16;
 
 #ifdef KVLLM_X86
+// 9-16 rows, blocks in registers: one tile of all MR rows per panel, so each weight is dequantized once rather than
+// once per 8-row tile (1.2-1.3x at 9-10 rows, even at 16: bench/gguf_gemm.py).
+template <int MR>
+void blocks_tall512(const Int8Problem& B, const int8_t* qg, const float* dg, const float* mg, int64_t groups,
+                    int64_t group, int64_t p, int64_t count) {
+  for (int64_t n = 0; n < count; ++n) {
+    const Blocks512 wsrc{qg + n * B.k * kPanel, dg + n * groups * kPanel, mg + n * groups * kPanel, B.k, group};
+    packed_micro512<MR, 1>(B, wsrc, p + n, 0);
+  }
+}
+
 // block_linear over one block of rows (B.m <= kRowBlock): groups of `per` panels split over torch's threads.
 void block_rows(const Int8Problem& B, const int8_t* q, const float* dp, const float* mp, int64_t groups,
                 int64_t group, int64_t panels, int64_t per, int64_t isa) {
@@ -1180,7 +1191,18 @@ void block_rows(const Int8Problem& B, const int8_t* q, const float* dp, const fl
       const int8_t* qg = q + p * k * kPanel;
       const float* dg = dp + p * groups * kPanel;
       const float* mg = mp + p * groups * kPanel;
-      if (isa >= 2 && B.m <= kBlocksInRegisters) {
+      if (isa >= 2 && B.m > 8 && B.m <= kBlocksInRegisters) {
+        switch (B.m) {
+          case 9: blocks_tall512<9>(B, qg, dg, mg, groups, group, p, count); break;
+          case 10: blocks_tall512<10>(B, qg, dg, mg, groups, group, p, count); break;
+          case 11: blocks_tall512<11>(B, qg, dg, mg, groups, group, p, count); break;
+          case 12: blocks_tall512<12>(B, qg, dg, mg, groups, group, p, count); break;
+          case 13: blocks_tall512<13>(B, qg, dg, mg, groups, group, p, count); break;
+          case 14: blocks_tall512<14>(B, qg, dg, mg, groups, group, p, count); break;
+          case 15: blocks_tall512<15>(B, qg, dg, mg, groups, group, p, count); break;
+          default: blocks_tall512<16>(B, qg, dg, mg, groups, group, p, count); break;
+        }
+      } else if (isa >= 2 && B.m <= kBlocksInRegisters) {
         const Blocks512 wsrc{qg, dg, mg, k, group};
         switch (count) {
           case 3: packed_rows512<3>(B, wsrc, p); break;
