@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8,12,16,32,64,2048")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-steps", action="store_true")
+    ap.add_argument("--max-isa", type=int, default=2, choices=[1, 2],
+                    help="1: both backends' AVX2 tiles on an AVX-512 CPU (the kernels a CPU without AVX-512 runs)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     from engine import Engine, SamplingParams
@@ -47,6 +49,8 @@ def main() -> None:
                          max_num_batched_tokens=2048, max_model_len=1024, kv_cache_memory="1500MiB", seed=0,
                          enable_prefix_caching=False, gemm_backend=b) for b in BACKENDS}
     layers = {b: linears(e.model) for b, e in engines.items()}
+    for mod in layers["cpu"] + layers["gguf"]:
+        mod.max_isa = args.max_isa
     nbytes = {b: sum(t.numel() * t.element_size() for m in layers[b] for t in m.buffers()) for b in BACKENDS}
     lines = ["| rows | packed float32 (cpu) | GGUF blocks (gguf) | cpu / gguf | outputs equal |",
              "|---:|---:|---:|---:|---|"]
@@ -92,6 +96,7 @@ def main() -> None:
             print(lines[-1], flush=True)
     body = "\n".join(lines) + (
         f"\n\nSmolLM2-135M-Instruct from its Q4_1 GGUF (Q8_0 embedding / tied LM head), float32 activations, 1 thread, "
+        f"{'AVX-512 tiles where the CPU has them' if args.max_isa == 2 else 'AVX2 tiles (max_isa 1)'}, "
         f"both engines in one process, alternating ({args.repeats} rounds for the rows, 8 x 2 steps per decode row); "
         f"medians. Weights of the linear layers: {nbytes['cpu'] / 2**20:.0f} MiB as float32 panels, "
         f"{nbytes['gguf'] / 2**20:.0f} MiB as blocks ({nbytes['cpu'] / nbytes['gguf']:.1f}x less). 'outputs equal': "

@@ -931,6 +931,27 @@ void packed_panel_avx2(const Int8Problem& I, const float* w, int64_t p) {
   int8_rows(I, StreamedFloatWeights{{w + p * I.k * kPanel, I.k}}, p);
 }
 
+// GGUF blocks (block_linear) dequantized in registers for the AVX2 tile, for the few rows where converting a panel
+// into scratch costs as much as the FMAs (d and m are read per column from L1: the tile has no registers left).
+struct BlockWeights {
+  const int8_t* w;   // [K, 16]
+  const float* d;    // [K / G, 16]
+  const float* m;
+  int64_t group;
+  const float* dg = nullptr;
+  const float* mg = nullptr;
+  inline void begin_group(int64_t g0) {
+    dg = d + (g0 / group) * kPanel;
+    mg = m + (g0 / group) * kPanel;
+  }
+  inline void get(int64_t k, __m256& w0, __m256& w1) const {
+    const __m128i wq = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel));
+    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(wq)), _mm256_loadu_ps(dg), _mm256_loadu_ps(mg));
+    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(wq, 8))), _mm256_loadu_ps(dg + 8),
+                         _mm256_loadu_ps(mg + 8));
+  }
+};
+
 // One panel of GGUF blocks to floats, as dequant_panels_avx512 (which says why the values are exact).
 void dequant_panel_avx2(const int8_t* q, const float* d, const float* m, int64_t k, int64_t group, float* out) {
   for (int64_t g = 0; g < k / group; ++g) {
@@ -1218,6 +1239,8 @@ void block_rows(const Int8Problem& B, const int8_t* q, const float* dp, const fl
           case 2: packed_rows512<2>(B, wsrc, p); break;
           default: packed_rows512<1>(B, wsrc, p); break;
         }
+      } else if (B.m <= 6) {  // one AVX2 tile: the blocks in registers
+        int8_rows(B, BlockWeights{qg, dg, mg, group}, p);
       } else {
         dequant_panel_avx2(qg, dg, mg, k, group, panel);
         int8_rows(B, FloatWeights{panel, k}, p);
