@@ -822,6 +822,20 @@ void int8_panel_portable(const Int8Problem& I, int64_t p) {
   }
 }
 
+// The current group's d and m of a panel of GGUF blocks (block_linear: w = d * q + m per G input columns), for the
+// weight sources that dequantize in registers (BlockWeights, Blocks512).
+struct BlockScales {
+  const float* d;    // [K / G, 16]
+  const float* m;
+  int64_t group;
+  const float* dg = nullptr;
+  const float* mg = nullptr;
+  inline void begin_group(int64_t g0) {
+    dg = d + (g0 / group) * kPanel;
+    mg = m + (g0 / group) * kPanel;
+  }
+};
+
 #ifdef KVLLM_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -933,17 +947,8 @@ void packed_panel_avx2(const Int8Problem& I, const float* w, int64_t p) {
 
 // GGUF blocks (block_linear) dequantized in registers for the AVX2 tile, for the few rows where converting a panel
 // into scratch costs as much as the FMAs (d and m are read per column from L1: the tile has no registers left).
-struct BlockWeights {
+struct BlockWeights : BlockScales {
   const int8_t* w;   // [K, 16]
-  const float* d;    // [K / G, 16]
-  const float* m;
-  int64_t group;
-  const float* dg = nullptr;
-  const float* mg = nullptr;
-  inline void begin_group(int64_t g0) {
-    dg = d + (g0 / group) * kPanel;
-    mg = m + (g0 / group) * kPanel;
-  }
   inline void get(int64_t k, __m256& w0, __m256& w1) const {
     const __m128i wq = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel));
     w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(wq)), _mm256_loadu_ps(dg), _mm256_loadu_ps(mg));
@@ -992,18 +997,9 @@ struct Panels512 {
 
 // GGUF blocks (block_linear) dequantized in registers: d * q + m, exact as dequant_panels_avx512 says. For few rows,
 // where every weight is used by at most a handful of FMAs and converting it once into scratch costs as much.
-struct Blocks512 {
+struct Blocks512 : BlockScales {  // d, m: panel n's at + n * (K / G) * 16
   const int8_t* q;   // panel 0 [K, 16]; panel n at q + n * K * 16
-  const float* d;    // panel 0 [K / G, 16]; panel n at d + n * (K / G) * 16
-  const float* m;
   int64_t kk;
-  int64_t group;
-  const float* dg = nullptr;
-  const float* mg = nullptr;
-  inline void begin_group(int64_t g0) {
-    dg = d + (g0 / group) * kPanel;
-    mg = m + (g0 / group) * kPanel;
-  }
   inline __m512 get(int64_t k, int n) const {
     const int8_t* row = q + (n * kk + k) * kPanel;
     _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
@@ -1193,7 +1189,7 @@ template <int MR>
 void blocks_tall512(const Int8Problem& B, const int8_t* qg, const float* dg, const float* mg, int64_t groups,
                     int64_t group, int64_t p, int64_t count) {
   for (int64_t n = 0; n < count; ++n) {
-    const Blocks512 wsrc{qg + n * B.k * kPanel, dg + n * groups * kPanel, mg + n * groups * kPanel, B.k, group};
+    const Blocks512 wsrc{{dg + n * groups * kPanel, mg + n * groups * kPanel, group}, qg + n * B.k * kPanel, B.k};
     packed_micro512<MR, 1>(B, wsrc, p + n, 0);
   }
 }
@@ -1224,7 +1220,7 @@ void block_rows(const Int8Problem& B, const int8_t* q, const float* dp, const fl
           default: blocks_tall512<16>(B, qg, dg, mg, groups, group, p, count); break;
         }
       } else if (isa >= 2 && B.m <= kBlocksInRegisters) {
-        const Blocks512 wsrc{qg, dg, mg, k, group};
+        const Blocks512 wsrc{{dg, mg, group}, qg, k};
         switch (count) {
           case 3: packed_rows512<3>(B, wsrc, p); break;
           case 2: packed_rows512<2>(B, wsrc, p); break;
@@ -1240,7 +1236,7 @@ void block_rows(const Int8Problem& B, const int8_t* q, const float* dp, const fl
           default: packed_rows512<1>(B, wsrc, p); break;
         }
       } else if (B.m <= 6) {  // one AVX2 tile: the blocks in registers
-        int8_rows(B, BlockWeights{qg, dg, mg, group}, p);
+        int8_rows(B, BlockWeights{{dg, mg, group}, qg}, p);
       } else {
         dequant_panel_avx2(qg, dg, mg, k, group, panel);
         int8_rows(B, FloatWeights{panel, k}, p);
