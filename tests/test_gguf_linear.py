@@ -57,12 +57,12 @@ def _dense(q, d, m):
 @pytest.mark.parametrize("n,k,groups", [(960, 576, 18), (40, 64, 2), (576, 1536, 48), (20, 160, 2), (50, 96, 1)])
 @pytest.mark.parametrize("signed", [False, True], ids=["q4_1", "q8_0"])
 def test_block_linear_bit_identical_to_packed(isa, n, k, groups, signed):
-    """Every row count (in-register tiles of 8 rows and of 9-16, scratch panels, remainders), groups that a 64-column chunk cuts (k=160 in
-    groups of 80), N not a multiple of 16 or 48: the same bits as packed_linear on the dequantized weight, and
-    within float32 rounding of float64."""
+    """Every row count (in-register tiles of 8 rows and of 9-16, scratch panels, remainders), groups other than 32
+    (k=160 in groups of 80, k=96 in one), N not a multiple of 16 or 48: the same bits as packed_linear on the
+    dequantized weight, and within float32 rounding of float64."""
     q, d, m = _blocks(n, k, groups, signed)
     w = _dense(q, d, m)
-    qp, dp, mp = (t.contiguous() for t in _pack(q, d, m))
+    qp, dp, mp = pack_blocks(q, d, m)  # its layout is checked here against pack_weight's (tests/test_packed_linear.py)
     wp = pack_weight(w)
     bias = torch.randn(n)
     for rows in (1, 3, 4, 5, 8, 9, 12, 16, 17, 100):
@@ -74,16 +74,6 @@ def test_block_linear_bit_identical_to_packed(isa, n, k, groups, signed):
         ref = x.double() @ w.double().T + bias.double()
         bound = (x.double().abs() @ w.double().abs().T) * 1e-6 * k ** 0.5 + 1e-6
         assert ((b.double() - ref).abs() <= bound).all()
-
-
-def _pack(q, d, m):
-    pad = -q.shape[0] % 16
-
-    def panels(t):
-        t = torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
-        return t.view(-1, 16, t.shape[1]).transpose(1, 2)
-
-    return panels(q), panels(d), panels(m)
 
 
 @pytest.mark.parametrize("isa", LEVELS)
