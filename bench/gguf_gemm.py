@@ -35,7 +35,7 @@ def linears(model) -> list[torch.nn.Module]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="1,4,8,12,16,32,64,2048")
+    ap.add_argument("--rows", default="1,4,8,12,16,24,32,64,2048")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-steps", action="store_true")
     ap.add_argument("--max-isa", type=int, default=2, choices=[1, 2],

@@ -26,7 +26,8 @@ TERMS = ("GEMM", "attention", "argmax", "other ops")
 
 
 def term_of(op: str) -> str:
-    if "packed_linear" in op or "int8_linear" in op or op in ("aten::addmm", "aten::mm", "aten::linear"):
+    if any(k in op for k in ("packed_linear", "block_linear", "int8_linear")) or op in ("aten::addmm", "aten::mm",
+                                                                                      "aten::linear"):
         return "GEMM"
     if "paged_attention" in op:
         return "attention"
@@ -42,8 +43,14 @@ def rates(model, threads: int) -> dict:
     from bench.common import median, timed
 
     torch.set_num_threads(threads)
+    from engine.models.packed import PackedLinear
+
     lin = next(m for name, m in model.named_modules() if name.endswith("gate_up_proj"))
     out_f, in_f = lin.out_features, lin.in_features
+    if not isinstance(lin, PackedLinear):  # e.g. GGUF blocks: the rate of the same weights as float32 panels
+        dense = torch.nn.Linear(in_f, out_f, bias=False)
+        dense.weight.data = lin.weight.detach().float()
+        lin = PackedLinear(dense)
     x = torch.randn(2048, in_f)
     with torch.no_grad():
         gemm_s = median(timed(lambda: lin(x), 5))
@@ -53,12 +60,16 @@ def rates(model, threads: int) -> dict:
 
 
 def linear_numel(model) -> tuple[int, int]:
-    """(weights of every linear layer incl. the LM head, bytes of those weights) as the step reads them."""
+    """(weights of every linear layer incl. the LM head, bytes of those weights) as the step reads them: a GGUF
+    block layer (gemm_backend 'gguf') its int8 q and float32 d, m; any other its float32 weights."""
     total, nbytes = 0, 0
     for m in model.modules():
         if hasattr(m, "in_features") and hasattr(m, "out_features"):
             total += m.in_features * m.out_features
-            nbytes += m.in_features * m.out_features * 4  # float32 (the vs_vllm rows' dtype)
+            if hasattr(m, "q_packed"):
+                nbytes += sum(t.numel() * t.element_size() for t in (m.q_packed, m.d, m.m))
+            else:
+                nbytes += m.in_features * m.out_features * 4  # float32 (the vs_vllm rows' dtype)
     return total, nbytes
 
 
@@ -164,13 +175,14 @@ def main() -> None:
     t0 = time.time()
     results = {int(t): run_child(int(t), args.steps) for t in args.threads.split(",")}
     body = table(results) + (
-        "\n\nSmolLM2-135M-Instruct, float32 weights and K/V, greedy; each row: `batch` real-text prompts of `slots` "
-        "tokens, prefilled, then the median wall time of the decode steps that follow (every sequence running), and "
-        "torch.profiler's operator time per step by term over as many steps again. Floors: GEMM = the step's "
-        "linear-layer FLOPs (every layer and the LM head at `batch` rows) at the packed GEMM's 2048-row rate, or its "
-        "float32 weights at the read rate where that is longer; attention = the K/V bytes the step reads at the read "
-        "rate. host = the profiled steps' wall time minus their operator time (Python, scheduling, detokenization, "
-        "thread wake-ups; the profiler's own bookkeeping adds a little). "
+        "\n\nSmolLM2-135M-Instruct, float32 activations and K/V, greedy; each row: `batch` real-text prompts of "
+        "`slots` tokens, prefilled, then the median wall time of the decode steps that follow (every sequence "
+        "running), and torch.profiler's operator time per step by term over as many steps again. Floors: GEMM = the "
+        "step's linear-layer FLOPs (every layer and the LM head at `batch` rows) at the packed float32 GEMM's "
+        "2048-row rate, or its weights as the step reads them (the GGUF file's blocks under gemm_backend 'gguf', the "
+        "default for this model) at the read rate where that is longer; attention = the K/V bytes the step reads at "
+        "the read rate. host = the profiled steps' wall time minus their operator time (Python, scheduling, "
+        "detokenization, thread wake-ups; the profiler's own bookkeeping adds a little). "
         f"{time.time() - t0:.0f} s.")
     print(body)
     if not args.no_write:

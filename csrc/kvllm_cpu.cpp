@@ -1010,10 +1010,11 @@ struct Blocks512 : BlockScales {  // d, m: panel n's at + n * (K / G) * 16
 };
 
 // MR rows x NP panels of outputs (columns [16 p, 16 (p + NP))); every accumulator sums over k in order, whatever
-// the weight source, so both sources give bit-identical results for the same weight values.
-template <int MR, int NP, typename W>
+// the weight source, so both sources give bit-identical results for the same weight values. XT: I.x holds the MR
+// rows transposed, [K, MR] (r0 = 0), so one pointer and constant offsets address every row's x[k].
+template <int MR, int NP, typename W, bool XT = false>
 inline void packed_micro512(const Int8Problem& I, W wsrc, int64_t p, int64_t r0) {
-  const float* x = I.x + r0 * I.k;
+  const float* x = XT ? I.x : I.x + r0 * I.k;
   const int64_t kk = I.k, group = wsrc.group;
   __m512 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
@@ -1024,7 +1025,7 @@ inline void packed_micro512(const Int8Problem& I, W wsrc, int64_t p, int64_t r0)
       __m512 wv[NP];
       for (int n = 0; n < NP; ++n) wv[n] = wsrc.get(k, n);
       for (int r = 0; r < MR; ++r) {
-        const __m512 xb = _mm512_set1_ps(x[r * kk + k]);
+        const __m512 xb = _mm512_set1_ps(XT ? x[k * MR + r] : x[r * kk + k]);
         for (int n = 0; n < NP; ++n) acc[r][n] = _mm512_fmadd_ps(xb, wv[n], acc[r][n]);
       }
     }
@@ -1179,18 +1180,20 @@ void packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const std::o
 // packed_linear on the dequantized weights, so the result is bit-identical to it, while the weights cross the
 // memory bus at ~1.25 bytes each instead of 4.
 // Rows up to which the AVX-512 path dequantizes in registers (measured on SmolLM2's shapes: faster than scratch up to
-// 16 rows, slower from 32).
-constexpr int64_t kBlocksInRegisters = 16;
+// 24 rows, even at 32, slower from 48).
+constexpr int64_t kBlocksInRegisters = 24;
 
 #ifdef KVLLM_X86
-// 9-16 rows, blocks in registers: one tile of all MR rows per panel, so each weight is dequantized once rather than
-// once per 8-row tile (1.2-1.3x at 9-10 rows, even at 16: bench/gguf_gemm.py).
+// 9-24 rows, blocks in registers: one tile of up to 16 rows per panel (two of 8-12 above 16), so each weight is
+// dequantized once per tile rather than once per 8 rows (bench/gguf_gemm.py). T.x is the tile's rows transposed
+// ([K, MR]): with MR row pointers the tile runs out of general registers and GCC parks them in vector registers,
+// moving them back on every k.
 template <int MR>
-void blocks_tall512(const Int8Problem& B, const int8_t* qg, const float* dg, const float* mg, int64_t groups,
+void blocks_tall512(const Int8Problem& T, const int8_t* qg, const float* dg, const float* mg, int64_t groups,
                     int64_t group, int64_t p, int64_t count) {
   for (int64_t n = 0; n < count; ++n) {
-    const Blocks512 wsrc{{dg + n * groups * kPanel, mg + n * groups * kPanel, group}, qg + n * B.k * kPanel, B.k};
-    packed_micro512<MR, 1>(B, wsrc, p + n, 0);
+    const Blocks512 wsrc{{dg + n * groups * kPanel, mg + n * groups * kPanel, group}, qg + n * T.k * kPanel, T.k};
+    packed_micro512<MR, 1, Blocks512, true>(T, wsrc, p + n, 0);
   }
 }
 
@@ -1198,6 +1201,26 @@ void blocks_tall512(const Int8Problem& B, const int8_t* qg, const float* dg, con
 void block_rows(const Int8Problem& B, const int8_t* q, const float* dp, const float* mp, int64_t groups,
                 int64_t group, int64_t panels, int64_t per, int64_t isa) {
   const int64_t k = B.k;
+  const bool tall = isa >= 2 && B.m > 8 && B.m <= kBlocksInRegisters;
+  std::vector<Int8Problem> tiles;  // B's rows in tiles of at most 16, each with x transposed, for the tall tile
+  thread_local std::vector<float> xt;
+  if (tall) {
+    if (xt.size() < static_cast<size_t>(B.m * k)) xt.resize(B.m * k);
+    const int64_t nt = (B.m + 15) / 16;
+    int64_t r0 = 0;
+    for (int64_t j = 0; j < nt; ++j) {
+      const int64_t mr = B.m / nt + (j < B.m % nt ? 1 : 0);
+      Int8Problem T = B;
+      float* xj = xt.data() + r0 * k;
+      for (int64_t r = 0; r < mr; ++r)
+        for (int64_t c = 0; c < k; ++c) xj[c * mr + r] = B.x[(r0 + r) * k + c];
+      T.x = xj;
+      T.out = B.out + r0 * B.n;
+      T.m = mr;
+      tiles.push_back(T);
+      r0 += mr;
+    }
+  }
   at::parallel_for(0, (panels + per - 1) / per, 1, [&](int64_t g0, int64_t g1) {
     // a group's floats, grown once per thread: a fresh vector each call would be an mmap and its page faults
     thread_local std::vector<float> scratch;
@@ -1208,18 +1231,26 @@ void block_rows(const Int8Problem& B, const int8_t* q, const float* dp, const fl
       const int8_t* qg = q + p * k * kPanel;
       const float* dg = dp + p * groups * kPanel;
       const float* mg = mp + p * groups * kPanel;
-      if (isa >= 2 && B.m > 8 && B.m <= kBlocksInRegisters) {
-        switch (B.m) {
-          case 9: blocks_tall512<9>(B, qg, dg, mg, groups, group, p, count); break;
-          case 10: blocks_tall512<10>(B, qg, dg, mg, groups, group, p, count); break;
-          case 11: blocks_tall512<11>(B, qg, dg, mg, groups, group, p, count); break;
-          case 12: blocks_tall512<12>(B, qg, dg, mg, groups, group, p, count); break;
-          case 13: blocks_tall512<13>(B, qg, dg, mg, groups, group, p, count); break;
-          case 14: blocks_tall512<14>(B, qg, dg, mg, groups, group, p, count); break;
-          case 15: blocks_tall512<15>(B, qg, dg, mg, groups, group, p, count); break;
-          default: blocks_tall512<16>(B, qg, dg, mg, groups, group, p, count); break;
+      if (tall) {
+        for (const Int8Problem& T : tiles) switch (T.m) {
+          case 1: blocks_tall512<1>(T, qg, dg, mg, groups, group, p, count); break;
+          case 2: blocks_tall512<2>(T, qg, dg, mg, groups, group, p, count); break;
+          case 3: blocks_tall512<3>(T, qg, dg, mg, groups, group, p, count); break;
+          case 4: blocks_tall512<4>(T, qg, dg, mg, groups, group, p, count); break;
+          case 5: blocks_tall512<5>(T, qg, dg, mg, groups, group, p, count); break;
+          case 6: blocks_tall512<6>(T, qg, dg, mg, groups, group, p, count); break;
+          case 7: blocks_tall512<7>(T, qg, dg, mg, groups, group, p, count); break;
+          case 8: blocks_tall512<8>(T, qg, dg, mg, groups, group, p, count); break;
+          case 9: blocks_tall512<9>(T, qg, dg, mg, groups, group, p, count); break;
+          case 10: blocks_tall512<10>(T, qg, dg, mg, groups, group, p, count); break;
+          case 11: blocks_tall512<11>(T, qg, dg, mg, groups, group, p, count); break;
+          case 12: blocks_tall512<12>(T, qg, dg, mg, groups, group, p, count); break;
+          case 13: blocks_tall512<13>(T, qg, dg, mg, groups, group, p, count); break;
+          case 14: blocks_tall512<14>(T, qg, dg, mg, groups, group, p, count); break;
+          case 15: blocks_tall512<15>(T, qg, dg, mg, groups, group, p, count); break;
+          default: blocks_tall512<16>(T, qg, dg, mg, groups, group, p, count); break;
         }
-      } else if (isa >= 2 && B.m <= kBlocksInRegisters) {
+      } else if (isa >= 2 && B.m <= 8) {
         const Blocks512 wsrc{{dg, mg, group}, qg, k};
         switch (count) {
           case 3: packed_rows512<3>(B, wsrc, p); break;
