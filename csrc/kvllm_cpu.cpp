@@ -1182,6 +1182,9 @@ void packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const std::o
 // Rows up to which the AVX-512 path dequantizes in registers (measured on SmolLM2's shapes: faster than scratch up to
 // 24 rows, even at 32, slower from 48).
 constexpr int64_t kBlocksInRegisters = 24;
+// Rows per block of block_linear, 4x packed_linear's: each block converts every panel again (measured: the fewer
+// conversions outweigh x spilling from L2; docs/benchmarks.md, "GGUF blocks in the GEMM").
+constexpr int64_t kBlockRows = 384;
 
 #ifdef KVLLM_X86
 // 9-24 rows, blocks in registers: one tile of up to 16 rows per panel (two of 8-12 above 16), so each weight is
@@ -1197,7 +1200,7 @@ void blocks_tall512(const Int8Problem& T, const int8_t* qg, const float* dg, con
   }
 }
 
-// block_linear over one block of rows (B.m <= kRowBlock): groups of `per` panels split over torch's threads.
+// block_linear over one block of rows (B.m <= kBlockRows): groups of `per` panels split over torch's threads.
 void block_rows(const Int8Problem& B, const int8_t* q, const float* dp, const float* mp, int64_t groups,
                 int64_t group, int64_t panels, int64_t per, int64_t isa) {
   const int64_t k = B.k;
@@ -1299,13 +1302,12 @@ void block_linear(const at::Tensor& x, const at::Tensor& q_packed, const at::Ten
   const float* mp = m_.data_ptr<float>();
 #ifdef KVLLM_X86
   const int64_t per = isa >= 2 ? kGroup512 : 1;  // panels dequantized together
-  // Row blocks of kRowBlock, as in packed_linear: a block's x rows stay in L2 while the panels pass (each block
-  // dequantizes the panels again, a few percent of its FMAs).
-  for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+  // Row blocks of kBlockRows (above), x rows of a block reused by every panel.
+  for (int64_t r0 = 0; r0 < m; r0 += kBlockRows) {
     Int8Problem B = I;
     B.x = I.x + r0 * k;
     B.out = I.out + r0 * n;
-    B.m = std::min<int64_t>(kRowBlock, m - r0);
+    B.m = std::min<int64_t>(kBlockRows, m - r0);
     block_rows(B, q, dp, mp, groups, group, panels, per, isa);
   }
 #endif

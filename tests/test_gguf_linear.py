@@ -57,15 +57,15 @@ def _dense(q, d, m):
 @pytest.mark.parametrize("n,k,groups", [(960, 576, 18), (40, 64, 2), (576, 1536, 48), (20, 160, 2), (50, 96, 1)])
 @pytest.mark.parametrize("signed", [False, True], ids=["q4_1", "q8_0"])
 def test_block_linear_bit_identical_to_packed(isa, n, k, groups, signed):
-    """Every row count (in-register tiles of 8 rows, of 9-16 and of two 8-12 up to 24, scratch panels, remainders),
-    groups other than 32 (k=160 in groups of 80, k=96 in one), N not a multiple of 16 or 48: the same bits as
-    packed_linear on the dequantized weight, and within float32 rounding of float64."""
+    """Every row count (in-register tiles of 8 rows, of 9-16 and of two 8-12 up to 24, scratch panels, remainders,
+    two row blocks), groups other than 32 (k=160 in groups of 80, k=96 in one), N not a multiple of 16 or 48: the
+    same bits as packed_linear on the dequantized weight, and within float32 rounding of float64."""
     q, d, m = _blocks(n, k, groups, signed)
     w = _dense(q, d, m)
     qp, dp, mp = pack_blocks(q, d, m)  # its layout is checked here against pack_weight's (tests/test_packed_linear.py)
     wp = pack_weight(w)
     bias = torch.randn(n)
-    for rows in (1, 3, 4, 5, 8, 9, 12, 16, 17, 24, 25, 100):
+    for rows in (1, 3, 4, 5, 8, 9, 12, 16, 17, 24, 25, 100, 400):
         x = torch.randn(rows, k)
         a, b = torch.empty(rows, n), torch.empty(rows, n)
         OPS.packed_linear(x, wp, bias, a, isa)
