@@ -1182,6 +1182,7 @@ void packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const std::o
 // Rows up to which the AVX-512 path dequantizes in registers (measured on SmolLM2's shapes: faster than scratch up to
 // 24 rows, even at 32, slower from 48).
 constexpr int64_t kBlocksInRegisters = 24;
+static_assert(kBlocksInRegisters <= 32, "block_rows splits the in-register rows into at most 2 tall tiles");
 // Rows per block of block_linear, 4x packed_linear's: each block converts every panel again (measured: the fewer
 // conversions outweigh x spilling from L2; docs/benchmarks.md, "GGUF blocks in the GEMM").
 constexpr int64_t kBlockRows = 384;
@@ -1209,7 +1210,7 @@ void block_rows(const Int8Problem& B, const int8_t* q, const float* dp, const fl
   thread_local std::vector<float> xt;
   if (tall) {
     if (xt.size() < static_cast<size_t>(B.m * k)) xt.resize(B.m * k);
-    const int64_t nt = (B.m + 15) / 16;
+    const int64_t nt = (B.m + 15) / 16;  // 1 or 2 (kBlocksInRegisters <= 32)
     int64_t r0 = 0;
     for (int64_t j = 0; j < nt; ++j) {
       const int64_t mr = B.m / nt + (j < B.m % nt ? 1 : 0);
@@ -1235,14 +1236,7 @@ void block_rows(const Int8Problem& B, const int8_t* q, const float* dp, const fl
       const float* dg = dp + p * groups * kPanel;
       const float* mg = mp + p * groups * kPanel;
       if (tall) {
-        for (const Int8Problem& T : tiles) switch (T.m) {
-          case 1: blocks_tall512<1>(T, qg, dg, mg, groups, group, p, count); break;
-          case 2: blocks_tall512<2>(T, qg, dg, mg, groups, group, p, count); break;
-          case 3: blocks_tall512<3>(T, qg, dg, mg, groups, group, p, count); break;
-          case 4: blocks_tall512<4>(T, qg, dg, mg, groups, group, p, count); break;
-          case 5: blocks_tall512<5>(T, qg, dg, mg, groups, group, p, count); break;
-          case 6: blocks_tall512<6>(T, qg, dg, mg, groups, group, p, count); break;
-          case 7: blocks_tall512<7>(T, qg, dg, mg, groups, group, p, count); break;
+        for (const Int8Problem& T : tiles) switch (T.m) {  // 8-16 (8: the second tile of 17 rows)
           case 8: blocks_tall512<8>(T, qg, dg, mg, groups, group, p, count); break;
           case 9: blocks_tall512<9>(T, qg, dg, mg, groups, group, p, count); break;
           case 10: blocks_tall512<10>(T, qg, dg, mg, groups, group, p, count); break;
