@@ -41,10 +41,9 @@ def rates(model, threads: int) -> dict:
     import torch
 
     from bench.common import median, timed
-
-    torch.set_num_threads(threads)
     from engine.models.packed import PackedLinear
 
+    torch.set_num_threads(threads)
     lin = next(m for name, m in model.named_modules() if name.endswith("gate_up_proj"))
     out_f, in_f = lin.out_features, lin.in_features
     if not isinstance(lin, PackedLinear):  # e.g. GGUF blocks: the rate of the same weights as float32 panels

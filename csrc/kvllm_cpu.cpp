@@ -1206,11 +1206,11 @@ void block_rows(const Int8Problem& B, const int8_t* q, const float* dp, const fl
                 int64_t group, int64_t panels, int64_t per, int64_t isa) {
   const int64_t k = B.k;
   const bool tall = isa >= 2 && B.m > 8 && B.m <= kBlocksInRegisters;
-  std::vector<Int8Problem> tiles;  // B's rows in tiles of at most 16, each with x transposed, for the tall tile
+  std::array<Int8Problem, 2> tiles;  // B's rows in tiles of at most 16, each with x transposed, for the tall tile
+  const int64_t nt = tall ? (B.m + 15) / 16 : 0;  // 1 or 2 (kBlocksInRegisters <= 32)
   thread_local std::vector<float> xt;
   if (tall) {
     if (xt.size() < static_cast<size_t>(B.m * k)) xt.resize(B.m * k);
-    const int64_t nt = (B.m + 15) / 16;  // 1 or 2 (kBlocksInRegisters <= 32)
     int64_t r0 = 0;
     for (int64_t j = 0; j < nt; ++j) {
       const int64_t mr = B.m / nt + (j < B.m % nt ? 1 : 0);
@@ -1221,7 +1221,7 @@ void block_rows(const Int8Problem& B, const int8_t* q, const float* dp, const fl
       T.x = xj;
       T.out = B.out + r0 * B.n;
       T.m = mr;
-      tiles.push_back(T);
+      tiles[j] = T;
       r0 += mr;
     }
   }
@@ -1236,7 +1236,7 @@ void block_rows(const Int8Problem& B, const int8_t* q, const float* dp, const fl
       const float* dg = dp + p * groups * kPanel;
       const float* mg = mp + p * groups * kPanel;
       if (tall) {
-        for (const Int8Problem& T : tiles) switch (T.m) {  // 8-16 (8: the second tile of 17 rows)
+        for (int64_t j = 0; j < nt; ++j) switch (const Int8Problem& T = tiles[j]; T.m) {  // 8-16 (8: of 17 rows)
           case 8: blocks_tall512<8>(T, qg, dg, mg, groups, group, p, count); break;
           case 9: blocks_tall512<9>(T, qg, dg, mg, groups, group, p, count); break;
           case 10: blocks_tall512<10>(T, qg, dg, mg, groups, group, p, count); break;
