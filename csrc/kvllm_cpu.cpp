@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"  // KVLLM_X86, the ISA levels, hsum, exp2_avx
 
 namespace kvllm_cpu {
@@ -1311,6 +1312,24 @@ bool has_avx2() { return cpu_has_avx2(); }
 int64_t isa_level() { return best_isa(); }
 
 }  // namespace
+
+// csrc/ops.h: the entry points csrc/decoder_layers.cpp calls
+namespace ops {
+void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& qo_indptr,
+                     const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
+                     double scale, at::Tensor& out, bool force_portable, int64_t max_isa) {
+  kvllm_cpu::paged_attention(q, kv_cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, scale, out,
+                             force_portable, max_isa);
+}
+void packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const std::optional<at::Tensor>& bias,
+                   at::Tensor& out, int64_t max_isa) {
+  kvllm_cpu::packed_linear(x, w_packed, bias, out, max_isa);
+}
+void block_linear(const at::Tensor& x, const at::Tensor& q_packed, const at::Tensor& d, const at::Tensor& m,
+                  const std::optional<at::Tensor>& bias, at::Tensor& out, int64_t max_isa) {
+  kvllm_cpu::block_linear(x, q_packed, d, m, bias, out, max_isa);
+}
+}  // namespace ops
 
 TORCH_LIBRARY(kvllm_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, "

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace kvllm_cpu {
@@ -406,6 +407,21 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, co
 }
 
 }  // namespace
+
+// csrc/ops.h: the entry points csrc/decoder_layers.cpp calls
+namespace ops {
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out,
+              const std::optional<at::Tensor>& residual, int64_t max_isa) {
+  kvllm_cpu::rms_norm(x, weight, eps, out, residual, max_isa);
+}
+void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, int64_t max_isa) {
+  kvllm_cpu::rope_(q, k, cos, sin, max_isa);
+}
+void silu_mul(const at::Tensor& x, at::Tensor& out, int64_t max_isa) { kvllm_cpu::silu_mul(x, out, max_isa); }
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
+  kvllm_cpu::write_kv(k, v, kv_cache, slot_mapping);
+}
+}  // namespace ops
 
 TORCH_LIBRARY_FRAGMENT(kvllm_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out, Tensor(b!)? residual=None, int max_isa=2) "

@@ -165,7 +165,10 @@ class EngineConfig:
                                      "other float32 one, onednn for a bfloat16 one on the CPU")
     layer_ops: str = setting("auto", choices=_choices(LAYER_OPS),
                              help="RMSNorm (+ residual), RoPE, SiLU-multiply, the greedy argmax: cpu = C++ ops, "
-                                  "torch = torch ops; auto: cpu for a float32 or bfloat16 model on the CPU")
+                                  "fused = those and the layers' GEMMs and attention as one C++ call per forward "
+                                  "(same kernels, same results; a float32 model with gemm_backend cpu or gguf and "
+                                  "the cpu attention backend), torch = torch ops; auto: fused where it applies, "
+                                  "else cpu for a float32 or bfloat16 model on the CPU")
     tensor_parallel_size: int = setting(1, parse=positive, aliases=("-tp",), help="ranks the model is split over (Megatron-style); "
                                         "ranks 1..N-1 run in spawned worker processes")
     enforce_eager: bool = setting(False, help="vLLM's flag; kvllm always runs eagerly (CUDA graphs are not wired), "

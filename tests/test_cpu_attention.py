@@ -324,7 +324,7 @@ def test_auto_falls_back_to_torch_with_a_warning(monkeypatch, caplog):
         get_backend("cpu", "cpu")  # asked for by name: an error, not a silent fallback
 
 
-@pytest.mark.parametrize("which", ["kvllm_cpu.cpp", "layer_ops.cpp", "simd.h"])
+@pytest.mark.parametrize("which", ["kvllm_cpu.cpp", "layer_ops.cpp", "decoder_layers.cpp", "simd.h", "ops.h"])
 def test_a_changed_source_never_loads_a_stale_build(tmp_path, monkeypatch, which):
     copies = {}
     for f in cpu_ext.SOURCES + cpu_ext.HEADERS:

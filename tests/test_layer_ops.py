@@ -448,7 +448,7 @@ def test_engine_layer_ops_setting(make_engine):
     with pytest.raises(ValueError, match="layer_ops='cpu' cannot run"):
         make_engine(layer_ops="cpu", dtype="float16")
     with pytest.raises(ValueError, match="layer_ops"):
-        make_engine(layer_ops="fused")
+        make_engine(layer_ops="bogus")
     kw = engine_kwargs_from_args(build_parser().parse_args(["serve", "--layer-ops", "torch"]))
     assert kw == {"layer_ops": "torch"}
 

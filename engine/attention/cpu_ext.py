@@ -1,5 +1,6 @@
 """Builds and loads kvllm's CPU kernels as one torch op library: csrc/kvllm_cpu.cpp (paged attention, int8 and packed
-float32 linear) and csrc/layer_ops.cpp (RMSNorm, RoPE, SiLU-multiply, K/V writes), with csrc/simd.h.
+float32 linear), csrc/layer_ops.cpp (RMSNorm, RoPE, SiLU-multiply, K/V writes) and csrc/decoder_layers.cpp (a decoder
+stack in one call through those), with csrc/simd.h and csrc/ops.h.
 
 The library is compiled with one direct compiler call (no ninja, no pybind11: the ops are registered with
 TORCH_LIBRARY and loaded with torch.ops.load_library). Its file name carries a hash of the sources, the compile
@@ -26,8 +27,8 @@ logger = logging.getLogger("kvllm.attention")
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"
-SOURCES = [CSRC / "kvllm_cpu.cpp", CSRC / "layer_ops.cpp"]
-HEADERS = [CSRC / "simd.h"]
+SOURCES = [CSRC / "kvllm_cpu.cpp", CSRC / "layer_ops.cpp", CSRC / "decoder_layers.cpp"]
+HEADERS = [CSRC / "simd.h", CSRC / "ops.h"]
 _NAME = "kvllm_cpu"
 
 _lock = threading.Lock()

@@ -13,7 +13,8 @@
   TorchLayerOps.
 
 EngineConfig.layer_ops picks one ('auto': the C++ ops where the model is float32 or bfloat16 on a CPU and the library
-loads).
+loads, and among those engine/models/fused_layers.py's FusedLayerOps, the whole decoder stack in one C++ call, where
+the model qualifies).
 """
 from __future__ import annotations
 
@@ -145,8 +146,19 @@ def _cpu_ops(model: torch.nn.Module) -> TorchLayerOps:
     return CpuLayerOps()
 
 
+@LAYER_OPS.register("fused")
+def _fused_ops(model: torch.nn.Module) -> TorchLayerOps:
+    from engine.models.fused_layers import FusedLayerOps
+
+    return FusedLayerOps(model)
+
+
 @LAYER_OPS.register("auto")
 def _auto_ops(model: torch.nn.Module) -> TorchLayerOps:
+    from engine.models.fused_layers import FusedLayerOps, why_not_fused
+
+    if why_not_fused(model) is None:
+        return FusedLayerOps(model)
     return CpuLayerOps() if can_use_cpu_ops(model) is None else TORCH_LAYER_OPS
 
 

@@ -187,6 +187,9 @@ class DecoderLM(nn.Module):
         caller's job."""
         h, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
+        ops = self.layer_ops
+        if ops.name == "fused" and ops.usable(attn, kv_caches, meta):  # the loop below in one C++ call
+            return ops.forward_layers(h, cos, sin, kv_caches, attn, meta)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, residual = layer(h, residual, cos, sin, kv_cache, attn, meta)
         return self.norm(h, residual)[0]

@@ -1,0 +1,113 @@
+"""layer_ops 'fused': a float32 decoder stack on the CPU in one C++ call per forward (csrc/decoder_layers.cpp).
+
+The call runs, layer by layer, the kernels the per-layer path (engine/models/llama.py with CpuLayerOps) calls one
+by one: RMSNorm with the residual add, the qkv / o / gate-up / down linears (GGUF blocks or float32 panels), RoPE,
+the K/V writes and paged attention, SiLU-multiply. Same kernels, same order, same inputs: the hidden states are bit
+for bit the per-layer path's. What it removes is the Python between them (module calls, argument checks, an output
+allocation per op), which at a small model's decode step is several milliseconds.
+
+It applies where every one of those kernels would run anyway: a float32 model on the CPU, not split by tensor
+parallelism, without per-head q/k norms (Qwen3), every layer linear a BlockLinear or PackedLinear (gemm_backend
+gguf or cpu), the cpu attention backend on a float32, bfloat16 or float16 cache, and no query capture in the step
+(a compression scorer reading the step's queries). A forward that does not qualify takes the per-layer path.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.models.layer_ops import CpuLayerOps
+
+if TYPE_CHECKING:
+    from engine.attention.base import AttentionMetadata
+    from engine.models.llama import DecoderLM
+
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _linear_kinds():
+    from engine.models.gguf_linear import BlockLinear
+    from engine.models.packed import PackedLinear
+
+    return BlockLinear, PackedLinear
+
+
+def why_not_fused(model: torch.nn.Module) -> str | None:
+    """None when FusedLayerOps can run `model`'s decoder stack, else why not (one line)."""
+    from engine.models.layer_ops import can_use_cpu_ops
+
+    why = can_use_cpu_ops(model)
+    if why is not None:
+        return why
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return "the model has no decoder layers"
+    if next(model.parameters()).dtype != torch.float32:
+        return f"the model is {next(model.parameters()).dtype}, the fused stack takes float32"
+    if getattr(model, "tp", None) is not None and model.tp.size > 1:
+        return "the model is split by tensor parallelism"
+    if model.config.qk_norm:
+        return "the model has per-head q/k norms"
+    kinds = _linear_kinds()
+    for i, layer in enumerate(layers):
+        for name, lin in _linears(layer):
+            if not isinstance(lin, kinds):
+                return (f"layer {i}'s {name} is a {type(lin).__name__} (the fused stack takes gemm_backend gguf or "
+                        f"cpu layers)")
+    return None
+
+
+def _linears(layer) -> list[tuple[str, torch.nn.Module]]:
+    return [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+            ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]
+
+
+class FusedLayerOps(CpuLayerOps):
+    """CpuLayerOps plus `forward_layers`, the whole stack in one call, for one model (built for it). Raises
+    ValueError (naming layer_ops) where the model does not qualify, cpu_ext.ExtensionUnavailable where the library
+    does not load."""
+
+    name = "fused"
+
+    def __init__(self, model: DecoderLM, max_isa: int = 2) -> None:
+        why = why_not_fused(model)
+        if why is not None:
+            raise ValueError(f"layer_ops='fused' cannot run: {why}")
+        super().__init__(max_isa)
+        empty = torch.empty(0)
+        block_kind, _ = _linear_kinds()
+        weights, self._linears = [], []
+        for layer in model.layers:
+            weights.append(layer.input_layernorm.weight)
+            for name, lin in _linears(layer):
+                bias = empty if lin.bias is None else lin.bias
+                parts = [lin.q_packed, lin.d, lin.m] if isinstance(lin, block_kind) else [lin.w_packed, empty, empty]
+                weights += [*parts, bias]
+                self._linears.append(lin)
+                if name == "o_proj":
+                    weights.append(layer.post_attention_layernorm.weight)
+        weights.append(model.norm.weight)
+        self._weights = [w.detach() for w in weights]
+        if len({lin.max_isa for lin in self._linears}) > 1:
+            raise ValueError("layer_ops='fused' cannot run: the linear layers' max_isa differ")
+        attn = model.layers[0].self_attn
+        self._shape = (attn.num_q_heads, attn.num_kv_heads, attn.head_dim, model.layers[0].mlp.down_proj.in_features,
+                       attn.scale, model.norm.eps)
+
+    def usable(self, attn, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
+        """Whether this forward can take the fused call (the backend and cache the kernels take, no capture)."""
+        from engine.attention.cpu_paged import CpuPagedBackend
+
+        cache = kv_caches[0]
+        return (meta.capture is None and type(attn) is CpuPagedBackend and cache.dtype in CACHE_DTYPES
+                and cache.device.type == "cpu" and cache.is_contiguous())
+
+    def forward_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
+                       attn, meta: AttentionMetadata) -> torch.Tensor:
+        """Embedded tokens [T, hidden] -> the final-normed hidden states, as DecoderLM.forward's layer loop."""
+        hq, hkv, d, inter, scale, eps = self._shape
+        return self._ops.decoder_layers(h.contiguous(), self._weights, kv_caches, cos.contiguous(), sin.contiguous(),
+                                        meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                                        meta.slot_mapping, hq, hkv, d, inter, float(scale), float(eps),
+                                        self._linears[0].max_isa, self.max_isa, attn.max_isa, attn.force_portable)
