@@ -29,7 +29,7 @@ def child(spec: dict) -> dict:
     from engine import Engine, SamplingParams
 
     engines = {ops: Engine(model="smollm2", dtype="float32", device="cpu", max_num_seqs=64,
-                           max_num_batched_tokens=2048, max_model_len=1024, kv_cache_memory="1GiB", seed=0,
+                           max_num_batched_tokens=2048, max_model_len=1024, kv_cache_memory="2GiB", seed=0,
                            enable_prefix_caching=False, layer_ops=ops) for ops in OPS}
     rows = []
     for name, batch, slots in WORKLOADS:
