@@ -17,7 +17,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.models.layer_ops import CpuLayerOps
+from engine.attention.cpu_paged import CpuPagedBackend
+from engine.models.gguf_linear import BlockLinear
+from engine.models.layer_ops import CpuLayerOps, can_use_cpu_ops
+from engine.models.packed import PackedLinear
 
 if TYPE_CHECKING:
     from engine.attention.base import AttentionMetadata
@@ -26,17 +29,8 @@ if TYPE_CHECKING:
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _linear_kinds():
-    from engine.models.gguf_linear import BlockLinear
-    from engine.models.packed import PackedLinear
-
-    return BlockLinear, PackedLinear
-
-
 def why_not_fused(model: torch.nn.Module) -> str | None:
     """None when FusedLayerOps can run `model`'s decoder stack, else why not (one line)."""
-    from engine.models.layer_ops import can_use_cpu_ops
-
     why = can_use_cpu_ops(model)
     if why is not None:
         return why
@@ -49,10 +43,9 @@ def why_not_fused(model: torch.nn.Module) -> str | None:
         return "the model is split by tensor parallelism"
     if model.config.qk_norm:
         return "the model has per-head q/k norms"
-    kinds = _linear_kinds()
     for i, layer in enumerate(layers):
         for name, lin in _linears(layer):
-            if not isinstance(lin, kinds):
+            if not isinstance(lin, (BlockLinear, PackedLinear)):
                 return (f"layer {i}'s {name} is a {type(lin).__name__} (the fused stack takes gemm_backend gguf or "
                         f"cpu layers)")
     return None
@@ -76,13 +69,12 @@ class FusedLayerOps(CpuLayerOps):
             raise ValueError(f"layer_ops='fused' cannot run: {why}")
         super().__init__(max_isa)
         empty = torch.empty(0)
-        block_kind, _ = _linear_kinds()
         weights, self._linears = [], []
         for layer in model.layers:
             weights.append(layer.input_layernorm.weight)
             for name, lin in _linears(layer):
                 bias = empty if lin.bias is None else lin.bias
-                parts = [lin.q_packed, lin.d, lin.m] if isinstance(lin, block_kind) else [lin.w_packed, empty, empty]
+                parts = [lin.q_packed, lin.d, lin.m] if isinstance(lin, BlockLinear) else [lin.w_packed, empty, empty]
                 weights += [*parts, bias]
                 self._linears.append(lin)
                 if name == "o_proj":
@@ -97,8 +89,6 @@ class FusedLayerOps(CpuLayerOps):
 
     def usable(self, attn, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
         """Whether this forward can take the fused call (the backend and cache the kernels take, no capture)."""
-        from engine.attention.cpu_paged import CpuPagedBackend
-
         cache = kv_caches[0]
         return (meta.capture is None and type(attn) is CpuPagedBackend and cache.dtype in CACHE_DTYPES
                 and cache.device.type == "cpu" and cache.is_contiguous())
