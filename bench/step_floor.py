@@ -1,14 +1,17 @@
 """kvllm's decode step against its two floors, at the decode batches of bench/vs_vllm.py: the step's linear layers at
 this CPU's packed-GEMM rate (or, where the batch is small, its weights at the read rate), plus its K/V reads at the
-read rate. Per row: the median step, its operator time by term (torch.profiler), each term's floor, the host time
-between operators, and the step over the sum of the floors. This is the measurement behind the vs_vllm reading's
-"which term holds a row back".
+read rate. Per row: the median step, its operator time by term (torch.profiler; the fused decoder call names each
+kernel inside it, csrc/decoder_layers.cpp), each term's floor, the host time between operators, and the step over
+the sum of the floors. Then the two offline workloads whole: kvllm's run (all prompts at once, as bench/vs_vllm.py
+runs them) against the run's floor (its prefill FLOPs at the GEMM rate, then every decode step's floors). This is
+the measurement behind the vs_vllm reading's "which term holds a row back".
 
     python -m bench.step_floor                                # threads 1,2; the three vs_vllm decode batches
     python -m bench.step_floor --threads 1 --steps 8 --no-write
 
-Rates, measured in the same interpreter right before the rows: the packed GEMM's (the model's gate/up projection at
-2048 rows, the rate a prefill chunk gets) and one long read of a 1 GiB tensor (torch sum). Each thread count runs
+Rates, measured in the same interpreter right before the rows: the faster of the packed GEMM and torch's (MKL) on
+the model's gate/up projection at 2048 rows (the rate a prefill chunk gets), and one long read of a 1 GiB tensor
+(torch sum). Each thread count runs
 in its own interpreter (OpenMP reads its wait policy when torch loads).
 """
 from __future__ import annotations
@@ -22,6 +25,8 @@ import time
 # (name, running sequences, KV slots each): the middle of each vs_vllm decode phase
 WORKLOADS = [("offline 64 x 256/256", 64, 384), ("offline 32 x 128/128", 32, 192),
              ("serving 32 x 128/128, 16 at once", 16, 192)]
+# (name, sequences, prompt tokens, output tokens): bench/vs_vllm.py's offline workloads, run whole
+OFFLINE = [("offline 64 x 256/256", 64, 256, 256), ("offline 32 x 128/128", 32, 128, 128)]
 TERMS = ("GEMM", "attention", "argmax", "other ops")
 
 
@@ -37,7 +42,7 @@ def term_of(op: str) -> str:
 
 
 def rates(model, threads: int) -> dict:
-    """GFLOP/s of the packed GEMM at 2048 rows and GB/s of one long read, at `threads` threads."""
+    """GFLOP/s of the packed GEMM and of torch's at 2048 rows, and GB/s of one long read, at `threads` threads."""
     import torch
 
     from bench.common import median, timed
@@ -51,11 +56,15 @@ def rates(model, threads: int) -> dict:
         dense.weight.data = lin.weight.detach().float()
         lin = PackedLinear(dense)
     x = torch.randn(2048, in_f)
+    dense_w = torch.randn(out_f, in_f)
     with torch.no_grad():
         gemm_s = median(timed(lambda: lin(x), 5))
+        mkl_s = median(timed(lambda: torch.nn.functional.linear(x, dense_w), 5))
     big = torch.ones(2 ** 28)
     read_s = median(timed(lambda: big.sum(), 5))
-    return {"gflops": 2 * 2048 * in_f * out_f / gemm_s / 1e9, "read_gbs": big.numel() * 4 / read_s / 1e9}
+    flops = 2 * 2048 * in_f * out_f
+    return {"packed_gflops": flops / gemm_s / 1e9, "mkl_gflops": flops / mkl_s / 1e9,
+            "gflops": flops / min(gemm_s, mkl_s) / 1e9, "read_gbs": big.numel() * 4 / read_s / 1e9}
 
 
 def linear_numel(model) -> tuple[int, int]:
@@ -121,7 +130,33 @@ def child(spec: dict) -> dict:
                             "host": profiled - sum(ops.values()),
                             "flops": 2 * batch * weights, "weight_bytes": weight_bytes,
                             "kv_bytes": batch * slots * kv_bytes_per_slot, "draw": draw})
+    head = cfg.vocab_size * cfg.hidden_size
+    out["model"] = {"weights": weights, "head": head, "weight_bytes": weight_bytes, "kv_per_slot": kv_bytes_per_slot,
+                    "attn_flops_per_pair": 4 * cfg.num_q_heads * cfg.head_dim * cfg.num_layers}
+    out["offline"] = []
+    for name, n, prompt_len, output_len in OFFLINE:
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        prompts = text_prompts(engine.tokenizer, n, prompt_len, seed=7)
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        engine.check_invariants()
+        out["offline"].append({"workload": name, "n": n, "prompt": prompt_len, "output": output_len, "wall": wall,
+                               "tokens": sum(len(o.outputs[0].token_ids) for o in outs)})
     return out
+
+
+def run_floor(model: dict, rates_: dict, n: int, prompt_len: int, output_len: int) -> tuple[float, float]:
+    """(prefill, decode) floor seconds of one offline run: every prompt token through the layers (and the causal
+    attention's FLOPs) at the GEMM rate, the LM head once a sequence; then each decode step's two floors as in the
+    step table (the first output token comes from the prefill)."""
+    gemm, read = rates_["gflops"] * 1e9, rates_["read_gbs"] * 1e9
+    body = model["weights"] - model["head"]
+    pairs = n * prompt_len * (prompt_len + 1) // 2  # (query, key) pairs of the causal prefill
+    prefill = (2 * n * prompt_len * body + 2 * n * model["head"] + pairs * model["attn_flops_per_pair"]) / gemm
+    step_gemm = max(2 * n * model["weights"] / gemm, model["weight_bytes"] / read)
+    decode = sum(step_gemm + n * (prompt_len + s) * model["kv_per_slot"] / read for s in range(1, output_len))
+    return prefill, decode
 
 
 def run_child(threads: int, steps: int) -> dict:
@@ -156,9 +191,21 @@ def table(results: dict[int, dict]) -> str:
             d = row["draw"]
             lines.append(f"| {threads} | [{row['batch']}, 49152] | {1e3 * d['torch']:.2f} ms | "
                          f"{1e3 * d['kvllm']:.2f} ms | {d['torch'] / d['kvllm']:.1f}x |")
-    rates_line = "; ".join(f"{t} thread{'s' if t > 1 else ''}: packed GEMM {res['rates']['gflops']:.0f} GFLOP/s at "
-                           f"2048 rows, read {res['rates']['read_gbs']:.1f} GB/s" for t, res in results.items())
-    return "\n".join(lines) + f"\n\nRates measured in each run: {rates_line}."
+    lines.append("")
+    lines.append("| threads | offline run | kvllm | kvllm output tok/s | floor: prefill + decode | floor output tok/s | "
+                 "kvllm / floor |")
+    lines.append("|---:|---|---:|---:|---:|---:|---:|")
+    for threads, res in results.items():
+        for run in res["offline"]:
+            pre, dec = run_floor(res["model"], res["rates"], run["n"], run["prompt"], run["output"])
+            lines.append(f"| {threads} | {run['workload']} | {run['wall']:.1f} s | {run['tokens'] / run['wall']:.1f} | "
+                         f"{pre:.1f} + {dec:.1f} = {pre + dec:.1f} s | {run['tokens'] / (pre + dec):.1f} | "
+                         f"{run['wall'] / (pre + dec):.2f}x |")
+    rates_line = "; ".join(
+        f"{t} thread{'s' if t > 1 else ''}: GEMM at 2048 rows packed {res['rates']['packed_gflops']:.0f}, torch (MKL) "
+        f"{res['rates']['mkl_gflops']:.0f} GFLOP/s; read {res['rates']['read_gbs']:.1f} GB/s"
+        for t, res in results.items())
+    return "\n".join(lines) + f"\n\nRates measured in each run (the floors take the faster GEMM): {rates_line}."
 
 
 def main() -> None:
@@ -176,13 +223,18 @@ def main() -> None:
     body = table(results) + (
         "\n\nSmolLM2-135M-Instruct, float32 activations and K/V, greedy; each row: `batch` real-text prompts of "
         "`slots` tokens, prefilled, then the median wall time of the decode steps that follow (every sequence "
-        "running), and torch.profiler's operator time per step by term over as many steps again. Floors: GEMM = the "
-        "step's linear-layer FLOPs (every layer and the LM head at `batch` rows) at the packed float32 GEMM's "
+        "running), and torch.profiler's operator time per step by term over as many steps again (layer_ops auto: "
+        "the fused decoder call, its kernels named inside it). Floors: GEMM = the "
+        "step's linear-layer FLOPs (every layer and the LM head at `batch` rows) at the faster float32 GEMM's "
         "2048-row rate, or its weights as the step reads them (the GGUF file's blocks under gemm_backend 'gguf', the "
         "default for this model) at the read rate where that is longer; attention = the K/V bytes the step reads at "
         "the read rate. host = the profiled steps' wall time minus their operator time (Python, scheduling, "
-        "detokenization, thread wake-ups; the profiler's own bookkeeping adds a little). "
-        f"{time.time() - t0:.0f} s.")
+        "detokenization, thread wake-ups; the profiler's own bookkeeping adds a little). Offline runs: "
+        "`Engine.generate` of all the workload's real-text prompts at once (greedy, ignore_eos; max_num_seqs 64, "
+        "max_num_batched_tokens 2048); their floor: the prompts' linear-layer and causal-attention FLOPs and the LM "
+        "head once a sequence at the GEMM rate, then every decode step's GEMM floor plus its K/V bytes at the read "
+        "rate, summed (one core does not overlap the two: a step's GEMMs are bound by its FMAs, its attention by "
+        f"DRAM reads). {time.time() - t0:.0f} s.")
     print(body)
     if not args.no_write:
         from bench.common import write_section

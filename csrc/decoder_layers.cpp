@@ -4,16 +4,21 @@
 // Why: at a decode step of a small model the Python between those kernels (~14 torch ops a layer, their module
 // calls, checks and output allocations) is several milliseconds a step; here it is one call and one allocation
 // of each intermediate, reused by every layer. engine/models/fused_layers.py decides when it applies.
+// Each kernel call runs under a profiler range named as its torch.ops registration, so torch.profiler splits a
+// fused step by kernel as it does the per-layer path's (bench/step_floor.py); with no profiler on, a range costs
+// one flag check.
 //
 // Per layer (weights[18 * i ...]): input norm, qkv linear, o linear, post-attention norm, gate/up linear, down
 // linear, each linear as four tensors (w, d, m, bias): a GGUF block layer (int8 w, its d and m; csrc block_linear)
 // or a float32 panel layer (w_packed, then two empty tensors; packed_linear); an empty bias is none. The final
 // norm's weight is the last tensor.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "ops.h"
 
@@ -22,16 +27,22 @@ namespace {
 
 constexpr int64_t kPerLayer = 18;
 
+// a profiler range around one kernel call, named as the op torch.ops.kvllm_cpu registers for that kernel
+#define KVLLM_RANGE(name) RECORD_FUNCTION("kvllm_cpu::" name, std::vector<c10::IValue>())
+
 std::optional<at::Tensor> maybe(const at::Tensor& t) {
   return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
 // w: the four tensors of one linear layer at weights[i]
 void linear(const at::Tensor& x, const at::TensorList& w, int64_t i, at::Tensor& out, int64_t isa) {
-  if (w[i].scalar_type() == at::kChar)
+  if (w[i].scalar_type() == at::kChar) {
+    KVLLM_RANGE("block_linear");
     ops::block_linear(x, w[i], w[i + 1], w[i + 2], maybe(w[i + 3]), out, isa);
-  else
+  } else {
+    KVLLM_RANGE("packed_linear");
     ops::packed_linear(x, w[i], maybe(w[i + 3]), out, isa);
+  }
 }
 
 at::Tensor decoder_layers(const at::Tensor& hidden, at::TensorList weights, at::TensorList kv_caches,
@@ -63,20 +74,39 @@ at::Tensor decoder_layers(const at::Tensor& hidden, at::TensorList weights, at::
   for (int64_t i = 0; i < layers; ++i) {
     const at::TensorList w = weights.slice(kPerLayer * i, kPerLayer);
     at::Tensor cache = kv_caches[i];
-    if (i == 0) ops::rms_norm(residual, w[0], eps, x, std::nullopt, ops_isa);
-    else ops::rms_norm(h, w[0], eps, x, residual, ops_isa);  // residual += h (the last layer's MLP output)
+    {
+      KVLLM_RANGE("rms_norm");
+      if (i == 0) ops::rms_norm(residual, w[0], eps, x, std::nullopt, ops_isa);
+      else ops::rms_norm(h, w[0], eps, x, residual, ops_isa);  // residual += h (the last layer's MLP output)
+    }
     linear(x, w, 1, qkv, linear_isa);
-    ops::rope_(q, k, cos, sin, ops_isa);
-    ops::write_kv(k, v, cache, slot_mapping);
-    ops::paged_attention(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, scale, attn, attn_portable,
-                         attn_isa);
+    {
+      KVLLM_RANGE("rope_");
+      ops::rope_(q, k, cos, sin, ops_isa);
+    }
+    {
+      KVLLM_RANGE("write_kv");
+      ops::write_kv(k, v, cache, slot_mapping);
+    }
+    {
+      KVLLM_RANGE("paged_attention");
+      ops::paged_attention(q, cache, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, scale, attn,
+                           attn_portable, attn_isa);
+    }
     linear(attn_rows, w, 5, o, linear_isa);
-    ops::rms_norm(o, w[9], eps, x, residual, ops_isa);
+    {
+      KVLLM_RANGE("rms_norm");
+      ops::rms_norm(o, w[9], eps, x, residual, ops_isa);
+    }
     linear(x, w, 10, gate_up, linear_isa);
-    ops::silu_mul(gate_up, act, ops_isa);
+    {
+      KVLLM_RANGE("silu_mul");
+      ops::silu_mul(gate_up, act, ops_isa);
+    }
     linear(act, w, 14, h, linear_isa);
   }
   at::Tensor out = at::empty({t, dim}, f32);
+  KVLLM_RANGE("rms_norm");
   ops::rms_norm(h, weights[kPerLayer * layers], eps, out, residual, ops_isa);
   return out;
 }

@@ -132,3 +132,22 @@ def test_engine_tokens_equal_with_fused_and_per_layer_ops(make_engine):
         eng = make_engine(layer_ops=ops)
         outs.append([o.outputs[0].token_ids for o in eng.generate(prompts, params)])
     assert outs[0] == outs[1]
+
+
+def test_profiler_sees_each_kernel_of_the_fused_call():
+    """bench/step_floor.py splits a step by kernel with torch.profiler: inside the one fused call each kernel runs
+    under a range named as its torch.ops registration, as many of each as the per-layer path calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = _packed_model("llama")
+    kernels = ("packed_linear", "rms_norm", "rope_", "write_kv", "paged_attention", "silu_mul")
+
+    def counts(ops):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _run(model, ops, CpuPagedBackend(), STEPS[:1])
+        return {k: sum(e.count for e in prof.key_averages() if e.key == f"kvllm_cpu::{k}") for k in kernels}
+
+    layers = model.config.num_layers
+    fused = counts(FusedLayerOps(model))
+    assert fused == counts(CpuLayerOps())
+    assert fused["paged_attention"] == layers and fused["packed_linear"] == 4 * layers
