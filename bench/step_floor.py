@@ -192,8 +192,8 @@ def table(results: dict[int, dict]) -> str:
             lines.append(f"| {threads} | [{row['batch']}, 49152] | {1e3 * d['torch']:.2f} ms | "
                          f"{1e3 * d['kvllm']:.2f} ms | {d['torch'] / d['kvllm']:.1f}x |")
     lines.append("")
-    lines.append("| threads | offline run | kvllm | kvllm output tok/s | floor: prefill + decode | floor output tok/s | "
-                 "kvllm / floor |")
+    lines.append("| threads | offline run | kvllm | kvllm output tok/s | floor: prefill + decode | "
+                 "floor output tok/s | kvllm / floor |")
     lines.append("|---:|---|---:|---:|---:|---:|---:|")
     for threads, res in results.items():
         for run in res["offline"]:
