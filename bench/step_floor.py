@@ -11,8 +11,7 @@ the measurement behind the vs_vllm reading's "which term holds a row back".
 
 Rates, measured in the same interpreter right before the rows: the faster of the packed GEMM and torch's (MKL) on
 the model's gate/up projection at 2048 rows (the rate a prefill chunk gets), and one long read of a 1 GiB tensor
-(torch sum). Each thread count runs
-in its own interpreter (OpenMP reads its wait policy when torch loads).
+(torch sum). Each thread count runs in its own interpreter (OpenMP reads its wait policy when torch loads).
 """
 from __future__ import annotations
 
