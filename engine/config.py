@@ -18,6 +18,7 @@ from engine.models import onednn as _onednn  # noqa: F401  (registers gemm_backe
 from engine.models import gguf_linear as _gguf_linear  # noqa: F401  (registers gemm_backend 'gguf')
 from engine.models.quant import QUANTIZATIONS
 from engine.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES
+from engine.structured_params import PARSE_DEPTH, GrammarLimits
 from paging.kv_cache import bytes_per_block, num_blocks_for_memory
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -207,6 +208,25 @@ class EngineConfig:
     lossless_host_memory: int | float | str = setting(
         1, parse=str, help="host memory for the full KV of lossless requests: GiB, or a size (shares one store "
                            "with swap_space)")
+    # -- structured outputs (engine/structured.py): compiled on a worker pool, each constraint bounded first ------
+    structured_outputs_compile_threads: int = setting(
+        2, parse=positive, help="grammar compiles at once (each on its own thread, off the step and HTTP loops)")
+    structured_outputs_compile_timeout: float = setting(
+        GrammarLimits.timeout, help="seconds a request waits for its grammar to compile (queue included); past "
+                                    "it, a 400 naming the field")
+    structured_outputs_max_depth: int = setting(
+        GrammarLimits.max_depth, parse=positive, help=f"deepest JSON nesting of a schema (at most {PARSE_DEPTH})")
+    structured_outputs_max_properties: int = setting(
+        GrammarLimits.max_properties, parse=positive, help="object properties across one schema (tools' parameters "
+                                                           "included)")
+    structured_outputs_max_enum: int = setting(
+        GrammarLimits.max_enum, parse=positive, help="enum/const values across one schema; choices of a choice "
+                                                     "constraint")
+    structured_outputs_max_length: int = setting(
+        GrammarLimits.max_length, parse=positive, help="characters of a regex, a grammar, a schema, or all choices "
+                                                       "together")
+    structured_outputs_max_rules: int = setting(
+        GrammarLimits.max_rules, parse=positive, help="rules of an EBNF grammar")
     # -- KV compression (compression/) --------------------------------------------------------------------------
     kv_compression: Any = setting(
         None, parse=_compression_arg, metavar="METHOD|JSON",
@@ -249,8 +269,17 @@ class EngineConfig:
                 self.kv_cache_dtype in _DTYPES.values() if isinstance(self.kv_cache_dtype, torch.dtype)
                 else self.kv_cache_dtype in _DTYPES):
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.kv_cache_dtype!r}")
+        _positive_int("structured_outputs_compile_threads", self.structured_outputs_compile_threads)
+        self.grammar_limits()  # a ValueError naming the setting now
         # resolved once: every request's own setting is merged over this typed config (compression/config.py)
         self.kv_compression = coerce(self.kv_compression) or KVCompressionConfig("none")
+
+    def grammar_limits(self) -> GrammarLimits:
+        return GrammarLimits(max_depth=self.structured_outputs_max_depth,
+                             max_properties=self.structured_outputs_max_properties,
+                             max_enum=self.structured_outputs_max_enum, max_length=self.structured_outputs_max_length,
+                             max_rules=self.structured_outputs_max_rules,
+                             timeout=self.structured_outputs_compile_timeout)
 
     def ignored_settings(self) -> list[str]:
         """vLLM settings given that mean nothing here (one startup warning each)."""

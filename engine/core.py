@@ -107,7 +107,9 @@ class EngineCore:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, self.eos_token_ids,
-                                            torch.get_num_threads(), stats=self.counters)
+                                            torch.get_num_threads(), stats=self.counters,
+                                            limits=config.grammar_limits(),
+                                            workers=config.structured_outputs_compile_threads)
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.structured, self.stage.record_entropy,
                                argmax=self.model.layer_ops.argmax)
         self.lossless = LosslessController(self.kv, self.runner, self.sampler, self.counters, self.max_model_len)
@@ -274,6 +276,10 @@ class EngineCore:
         for seq, err in failed:
             req = self.requests.get(seq.request_id)
             if req is not None and req.error is None:
+                if isinstance(err, InvalidRequestError):  # the request's own settings: the client is told (a 400)
+                    logger.info("request %s ended in %s: %s", seq.request_id, where, err)
+                    self.fail(req, err)
+                    continue
                 logger.error("request %s failed in %s: %r", seq.request_id, where, err)
                 self.fail(req, err if isinstance(err, RequestFailedError) else RequestFailedError(where, err))
 
@@ -331,7 +337,8 @@ class EngineCore:
             assert self.kv.num_free_blocks == self.kv.pool.num_blocks, "blocks leaked after all requests finished"
 
     def shutdown(self, graceful: bool = True, destroy: bool = True) -> None:
-        """Stop the tensor-parallel workers (nothing to do with one process)."""
+        """Stop the grammar compiles and the tensor-parallel workers."""
+        self.structured.close()
         if self.driver is not None:
             self.driver.shutdown(graceful, destroy)
 

@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -114,6 +115,17 @@ def _child_main(conn, model: str, kwargs: dict, threads: int | None, log_level: 
     watch = threading.Thread(target=_watch_health, args=(engine, outq), name="kvllm-engine-health", daemon=True)
     watch.start()
     pending: dict[int, Request] = {}
+
+    def make(call: int, prompt: Any, params: Any, rid: str) -> None:
+        try:
+            req = engine.new_request(prompt, params, rid)
+        except Exception as err:
+            outq.put(("reply", call, None, _picklable(err)))
+            return
+        pending[call] = req
+        outq.put(("reply", call, req.prompt_token_ids, None))
+
+    grammars = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvllm-grammar")
     try:
         while True:
             try:
@@ -122,14 +134,10 @@ def _child_main(conn, model: str, kwargs: dict, threads: int | None, log_level: 
                 break
             kind = msg[0]
             if kind == "new":
-                _, call, prompt, params, rid = msg
-                try:
-                    req = engine.new_request(prompt, params, rid)
-                except Exception as err:
-                    outq.put(("reply", call, None, _picklable(err)))
-                    continue
-                pending[call] = req
-                outq.put(("reply", call, req.prompt_token_ids, None))
+                if getattr(msg[3], "structured_outputs", None) is not None:
+                    grammars.submit(make, *msg[1:])  # its compile must not hold up the messages behind it
+                else:
+                    make(*msg[1:])
             elif kind == "start":
                 req = pending.pop(msg[1], None)
                 if req is None:
@@ -155,6 +163,7 @@ def _child_main(conn, model: str, kwargs: dict, threads: int | None, log_level: 
             elif kind == "shutdown":
                 break
     finally:
+        grammars.shutdown(wait=False, cancel_futures=True)
         engine.shutdown()
         outq.put(None)
         sender.join(timeout=10)

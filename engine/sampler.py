@@ -146,7 +146,7 @@ class Sampler:
                     self.process(logits[i:i + 1], [seq], [seq.output_token_ids])
                 except Exception as err:
                     out.failed.append((seq, RequestFailedError("processing its logits", err)))
-        self.structured.mask(seqs, logits)
+        out.failed += self.structured.mask(seqs, logits)
         if self.side_signals is not None:
             out.failed += [(seq, RequestFailedError("recording its sampling entropy", err))
                            for seq, err in self.side_signals(seqs, logits)]

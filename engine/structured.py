@@ -20,6 +20,9 @@ import json
 import math
 import threading
 import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,12 +30,28 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.outputs import EngineStats
-from engine.structured_params import StructuredOutputsParams, choice_grammar
+from engine.structured_params import GrammarLimits, StructuredOutputsParams, choice_grammar
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
 
-__all__ = ["StructuredOutputs", "StructuredOutputsParams", "GrammarState", "apply_bitmask", "choice_grammar"]
+__all__ = ["StructuredOutputs", "StructuredOutputsParams", "GrammarLimits", "GrammarState", "apply_bitmask",
+           "choice_grammar"]
+
+CACHE_ENTRIES = 256  # compiled constraints kept (each holds per-state token masks: a few MB at most)
+
+
+class _Rejected(Exception):
+    """A constraint the library refused or no output satisfies; the waiting request names its own field."""
+
+
+def _spec_key(so: StructuredOutputsParams) -> tuple:
+    spec = getattr(so, so.kind)
+    if so.kind == "json" and not isinstance(spec, str):
+        spec = json.dumps(spec, sort_keys=True)
+    elif so.kind == "choice":
+        spec = tuple(spec)
+    return so.kind, spec, so.disable_any_whitespace
 
 
 @dataclass(eq=False)
@@ -73,17 +92,27 @@ class GrammarState:
 
 
 class StructuredOutputs:
-    """The engine's structured-output state: the tokenizer's info and the compiler (built on first use), a bitmask
-    buffer, and the batched mask / accept steps."""
+    """The engine's structured-output state: the tokenizer's info and the compiler (built on first use), a bounded
+    pool of compile workers with a cache of their results, a bitmask buffer, and the batched mask / accept steps.
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], threads: int = 1, stats=None):
+    Compiling runs on the pool, never on the thread that asks: the caller waits at most ``limits.timeout`` for its
+    constraint (a 400 past it), the GIL is free while the library compiles, and neither the engine's step loop nor
+    the server's event loop ever compiles. A constraint is checked against ``limits`` before it is queued."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], threads: int = 1, stats=None,
+                 limits: GrammarLimits | None = None, workers: int = 2):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.threads = max(1, threads)
+        self.limits = limits if limits is not None else GrammarLimits()
         self._compiler = None
         self._batch = None
         self._lock = threading.Lock()  # requests are created on the callers' threads
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kvllm-grammar")
+        # compiles by spec, finished or under way: a repeated constraint waits for no worker, and two requests
+        # with one new constraint share one compile
+        self._compiled: OrderedDict[tuple, Future] = OrderedDict()
         self._bitmask: torch.Tensor | None = None
         self.stats = stats if stats is not None else EngineStats()  # adds structured_{fill,apply,accept}_seconds
 
@@ -105,33 +134,63 @@ class StructuredOutputs:
                                               "structured_outputs")
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.eos_token_ids)
-                # compiled grammars are cached by spec (bounded, so distinct schemas cannot grow it forever)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads, cache_limit_bytes=256 << 20)
+                # the results are cached here (self._compiled), not twice
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.threads, cache_enabled=False)
                 self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)
             return self._compiler
 
     def compile(self, so: StructuredOutputsParams):
-        """The compiled grammar of a constraint; a spec the library rejects is an InvalidRequestError naming the
-        field it came from."""
+        """The compiled grammar of a constraint. Over a limit, rejected by the library, satisfied by no output, or
+        not compiled within the time limit: an InvalidRequestError naming the field it came from."""
+        self.limits.check(so)
+        self.compiler()  # a missing library or tokenizer is this request's error, not a worker's
+        key = _spec_key(so)
+        with self._lock:
+            future = self._compiled.get(key)
+            if future is None:
+                future = self._compiled[key] = self._pool.submit(self._compile, so)
+                while len(self._compiled) > CACHE_ENTRIES:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(key)
+        try:
+            return future.result(timeout=self.limits.timeout)
+        except FutureTimeout:
+            raise InvalidRequestError(f"{so.field}: the constraint did not compile within {self.limits.timeout:g} s "
+                                      f"(--structured-outputs-compile-timeout)", so.field) from None
+        except _Rejected as err:
+            raise InvalidRequestError(f"{so.field}: {err}", so.field) from None
+
+    def _compile(self, so: StructuredOutputsParams):
+        """On a worker: compile, then refuse a constraint that no output satisfies (its first mask allows no
+        token, EOS included), which would otherwise fail only once the request runs."""
         compiler = self.compiler()
         kind = so.kind
         try:
             if kind == "json":
                 schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
                 compact = {"any_whitespace": False, "separators": (",", ":")} if so.disable_any_whitespace else {}
-                return compiler.compile_json_schema(schema, **compact)
-            if kind == "json_object":
+                compiled = compiler.compile_json_schema(schema, **compact)
+            elif kind == "json_object":
                 if so.disable_any_whitespace:
-                    return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                        separators=(",", ":"))
-                return compiler.compile_json_schema('{"type": "object"}')
-            if kind == "regex":
-                return compiler.compile_regex(so.regex)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_grammar(so.choice))
-            return compiler.compile_grammar(so.grammar)
+                    compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                            separators=(",", ":"))
+                else:
+                    compiled = compiler.compile_json_schema('{"type": "object"}')
+            elif kind == "regex":
+                compiled = compiler.compile_regex(so.regex)
+            elif kind == "choice":
+                compiled = compiler.compile_grammar(choice_grammar(so.choice))
+            else:
+                compiled = compiler.compile_grammar(so.grammar)
         except (RuntimeError, ValueError) as err:
-            raise InvalidRequestError(f"{so.field}: {_library_message(err)}", so.field) from None
+            raise _Rejected(_library_message(err)) from None
+        xgr = self._xgr()
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+        if not mask.any():
+            raise _Rejected("no output satisfies this constraint (it allows no first token)")
+        return compiled
 
     def attach(self, seqs: list[Sequence], so: StructuredOutputsParams) -> None:
         """Compile the request's constraint (once) and give each of its sequences a matcher."""
@@ -145,6 +204,10 @@ class StructuredOutputs:
         for seq in seqs:
             seq.structured = GrammarState(xgr.GrammarMatcher(compiled), after=so.after)
 
+    def close(self) -> None:
+        """Drop queued compiles; one under way finishes on its own (the library cannot be interrupted)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
     # -- the step -----------------------------------------------------------------------------------------
     def _buffer(self, rows: int) -> torch.Tensor:
         width = math.ceil(self.vocab_size / 32)
@@ -152,19 +215,29 @@ class StructuredOutputs:
             self._bitmask = torch.full((max(rows, 64), width), -1, dtype=torch.int32)
         return self._bitmask[:rows]
 
-    def mask(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def mask(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, InvalidRequestError]]:
         """Set the logits of tokens each constrained row's grammar forbids to -inf, in place: one batched fill
         of the rows' bitmasks, then `apply_bitmask` over those rows. A row the grammar forces to a token banned
-        elsewhere (EOS before min_tokens) gets the grammar's tokens back: the grammar wins."""
+        elsewhere (EOS before min_tokens) gets the grammar's tokens back: the grammar wins. Returns the rows
+        whose grammar allows no token at all (a constraint no output completes): their requests end with a 400."""
         rows = [i for i, s in enumerate(seqs)
                 if s.structured is not None and s.structured.find_start(s.output_token_ids) is not None]
         if not rows:
-            return
+            return []
         t0 = time.perf_counter()
         for i in rows:
             sync(seqs[i])
         bitmask = self._buffer(len(seqs))
         self._batch.batch_fill_next_token_bitmask([seqs[i].structured.matcher for i in rows], bitmask, rows)
+        dead = [i for i, d in zip(rows, (bitmask[rows] == 0).all(1).tolist()) if d]
+        failed = []
+        if dead:
+            rows = [i for i in rows if i not in dead]
+            for i in dead:
+                where = seqs[i].params.structured_outputs.field
+                failed.append((seqs[i], InvalidRequestError(
+                    f"{where}: no output satisfies this constraint (after {seqs[i].num_outputs} tokens it allows "
+                    f"no next token)", where)))
         t1 = time.perf_counter()
         device_mask = bitmask.to(logits.device, non_blocking=True) if logits.device.type != "cpu" else bitmask
         before = logits[rows].clone() if _may_empty(seqs, rows) else None
@@ -173,6 +246,7 @@ class StructuredOutputs:
             _restore_empty_rows(logits, rows, before, bitmask, self.vocab_size)
         self.stats.structured_fill_seconds += t1 - t0
         self.stats.structured_apply_seconds += time.perf_counter() - t1
+        return failed
 
     def accept(self, seq: Sequence, token: int) -> None:
         """Advance the sequence's matcher by its newly committed output token (already appended)."""

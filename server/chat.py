@@ -219,7 +219,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     if plan.tools is not None and markers_are_special(state.engine.tokenizer, getattr(plan.tools, "markers", ())):
         params.skip_special_tokens = False  # else the markers would be dropped from the text (as vLLM's hermes)
     rid = response_id("chatcmpl", raw.scope, body.request_id)
-    req = state.new_request(prompt_ids, params, engine_ids(rid, 1)[0])
+    req = await state.new_request(prompt_ids, params, engine_ids(rid, 1)[0])
     admission = state.admit()
     gens = [Gen(state, 0, req, admission)]
     return await ChatServing(state, body, model, rid, gens, admission, plan=plan,

@@ -316,7 +316,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     params = state.sampling_params(body)
     rid = response_id("cmpl", raw.scope, body.request_id)
     prompts = body.prompts()
-    reqs = [state.new_request(p, params, eid) for p, eid in zip(prompts, engine_ids(rid, len(prompts)))]
+    reqs = [await state.new_request(p, params, eid) for p, eid in zip(prompts, engine_ids(rid, len(prompts)))]
     tok = state.engine.tokenizer
     echoed = [(p if isinstance(p, str) else tok.decode(r.prompt_token_ids) if tok is not None else "")
               if body.echo else None for p, r in zip(body.prompts(), reqs)]

@@ -2,8 +2,10 @@
 Retry-After), metrics, the chat template and the server's default sampling parameters, token strings for logprobs."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Union
 
 from api.protocol import (
@@ -27,6 +29,7 @@ logger = logging.getLogger("kvllm.server")
 
 #: Seconds suggested to clients in the Retry-After header of a 503 (queue full).
 RETRY_AFTER_S = 1
+GRAMMAR_WAITERS = 32
 
 
 class Admission:
@@ -63,6 +66,9 @@ class ServerState:
         self.created = int(time.time())
         self._token_cache: dict[int, str] = {}
         self.vocab_size = engine.model_config.vocab_size
+        # threads that only wait for the engine's bounded compile workers; past this many, grammar requests queue
+        # here while every other request goes on
+        self._grammar_waiters = ThreadPoolExecutor(max_workers=GRAMMAR_WAITERS, thread_name_prefix="kvllm-grammar")
 
     # -- checks ---------------------------------------------------------------------------------------
     def resolve_model(self, model: str | None) -> str:
@@ -89,10 +95,17 @@ class ServerState:
         self.pending += 1
         return Admission(self)
 
-    def new_request(self, prompt: Union[str, list[int]], params: Any, request_id: str) -> Any:
-        """Encode and validate a prompt once (engine errors become 400s naming the parameter)."""
+    async def new_request(self, prompt: Union[str, list[int]], params: Any, request_id: str) -> Any:
+        """Encode and validate a prompt once (engine errors become 400s naming the parameter). A request with a
+        grammar waits for its compile on a thread of its own, so the event loop (/health, every other request)
+        never waits for a grammar."""
         try:
-            req = self.engine.new_request(prompt, params, request_id)
+            if params.structured_outputs is None:
+                req = self.engine.new_request(prompt, params, request_id)
+            else:
+                loop = asyncio.get_running_loop()
+                req = await loop.run_in_executor(self._grammar_waiters, self.engine.new_request, prompt, params,
+                                                 request_id)
         except ValueError as err:
             raise to_request_error(err) or RequestError(str(err)) from None
         if self.log_requests:

@@ -359,7 +359,7 @@ def test_an_unmasked_token_fails_its_request_and_the_engine_goes_on(engine, monk
     """With the mask broken (not applied) the sampled tokens leave the grammar: the matcher rejects them, that
     request fails alone, and the checks above would fail (run them with the same patch to see it)."""
     with monkeypatch.context() as m:
-        m.setattr(StructuredOutputs, "mask", lambda self, seqs, logits: None)
+        m.setattr(StructuredOutputs, "mask", lambda self, seqs, logits: [])
         with pytest.raises(RuntimeError, match="rejected token"):
             run(engine, COMPACT, [0])
     (o,) = run(engine, COMPACT, [0])[0]
