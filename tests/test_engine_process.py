@@ -77,6 +77,36 @@ def test_invalid_request_is_a_400_naming_the_parameter(proc_engine):
     assert proc_engine.pending_requests() == 0
 
 
+def test_a_slow_grammar_holds_up_no_other_message_of_the_engine_process(tiny_server_model_dir):
+    """The child makes a grammar request on a thread of its own: while one compiles past its 3 s budget, a plain
+    request is made, run and answered within 2 s, and the slow one is a 400 naming its field."""
+    import threading
+    import time
+
+    schema: dict = {"type": "array"}
+    cur = schema
+    for _ in range(400):  # compiles for seconds (depth allowed by the raised limit)
+        cur["items"] = {"type": "array"}
+        cur = cur["items"]
+    eng = _process_engine(tiny_server_model_dir, structured_outputs_max_depth=512,
+                          structured_outputs_compile_timeout=3.0)
+    try:
+        with serve(eng, served_model_name="m") as srv:
+            slow: dict = {}
+            thread = threading.Thread(target=lambda: slow.update(r=_complete(srv.base_url, "x", guided_json=schema)))
+            thread.start()
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            assert _complete(srv.base_url, "hello", max_tokens=2).status_code == 200
+            assert time.monotonic() - t0 < 2.0
+            thread.join(timeout=60)
+            assert slow["r"].status_code == 400 and slow["r"].json()["error"]["param"] == "guided_json", slow["r"].text
+            assert "did not compile within" in slow["r"].json()["error"]["message"]
+        wait_drained(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_abort_and_unstarted_requests_free_everything(proc_engine):
     from engine.sampling_params import SamplingParams
 
