@@ -22,8 +22,11 @@ device="cpu".
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
 import torch
 
 RUNS_ON_CPU = True
@@ -318,4 +321,23 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
                 lp_buf.cpu(), self.plan_state.num_qo_heads, self.plan_state.num_kv_heads, self.plan_state.head_dim,
                 self.plan_state.page_size, False, self.plan_state.q_dtype, self.plan_state.kv_dtype,
                 self.plan_state.o_dtype, self.plan_state.sm_scale)
+        if self.plan_state is not None and isinstance(q, torch.Tensor) and q.dim() == 3:
+            b = self.plan_state.batch_size
+            _require(q.shape[0] == b, f"q has {q.shape[0]} rows for a decode batch of {b} requests (one row each)")
         return self._run(q, paged_kv_cache, q_scale, k_scale, v_scale, out, lse, return_lse)
+
+
+# ---- installing it --------------------------------------------------------------------------------------------
+@pytest.fixture
+def flashinfer_double(monkeypatch):
+    """The double installed as `flashinfer` for one test, here and in processes spawned from here (import this
+    fixture into a test module); monkeypatch undoes it."""
+    import engine.attention.flashinfer as fimod
+
+    this = sys.modules[__name__]
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "flashinfer_double_site"))
+    monkeypatch.setitem(sys.modules, "flashinfer", this)
+    monkeypatch.setattr(fimod, "WORKSPACE_BYTES", 1 << 20)  # this process only: the double never touches it
+    WRAPPERS.clear()
+    yield this
+    WRAPPERS.clear()
