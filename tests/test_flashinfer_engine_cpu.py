@@ -210,3 +210,51 @@ def test_smollm2(flashinfer_double):
     finally:
         close(eng)
     assert got == expected
+
+
+def _off_by_one_last_page_len(meta, t):
+    return t - (t > 1).int()  # one slot short wherever the page keeps one
+
+
+def _off_by_one_last_page_len_in_decodes(meta, t):
+    return _off_by_one_last_page_len(meta, t) if meta.is_decode_only else t  # always a valid plan
+
+
+def _off_by_one_indptr(meta, t):
+    t[-1] -= 1
+    return t
+
+
+@pytest.mark.parametrize("key,fn,raises", [("kv_last_page_len", _off_by_one_last_page_len, True),
+                                           ("kv_last_page_len", _off_by_one_last_page_len_in_decodes, False),
+                                           ("kv_indptr", _off_by_one_indptr, True)],
+                         ids=["last-page-len", "last-page-len-decode-only", "indptr"])
+def test_an_off_by_one_in_the_backends_plan_breaks_the_identity(flashinfer_double, tiny_llama_dir, monkeypatch,
+                                                                 key, fn, raises):
+    """The identity above cannot hold by accident: the same run with the plan's CSR arrays off by one fails,
+    either refused by the double (a fresh prefill left with fewer KV slots than queries, a CSR that does not end
+    at len(indices)) or, where the plan stays valid, with other tokens."""
+    import engine.attention.flashinfer as fimod
+
+    real = fimod.plan_inputs
+
+    def corrupted(meta, pin=False):
+        inp = real(meta, pin)
+        inp[key] = fn(meta, inp[key].clone())
+        return inp
+
+    ref = build(tiny_llama_dir, "cpu")
+    try:
+        expected = tokens(ref.generate(PROMPTS, greedy(12), use_tqdm=False))
+    finally:
+        close(ref)
+    monkeypatch.setattr(fimod, "plan_inputs", corrupted)
+    eng = build(tiny_llama_dir, "flashinfer")
+    try:
+        if raises:
+            with pytest.raises(flashinfer_double.ContractError):
+                eng.generate(PROMPTS, greedy(12), use_tqdm=False)
+        else:
+            assert tokens(eng.generate(PROMPTS, greedy(12), use_tqdm=False)) != expected
+    finally:
+        eng.shutdown()
