@@ -139,7 +139,8 @@ def check_plan(qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, nu
                 sm_scale if sm_scale is not None else 1.0 / math.sqrt(d))
     if causal:  # bottom-right aligned: every query row must have its own KV slot
         for i, kv_len in enumerate(plan.kv_lens):
-            _require(kv_len >= qo[i + 1] - qo[i], f"request {i}: causal with qo_len {qo[i + 1] - qo[i]} > kv_len {kv_len}")
+            n = qo[i + 1] - qo[i]
+            _require(kv_len >= n, f"request {i}: causal with qo_len {n} > kv_len {kv_len}")
     return plan
 
 

@@ -144,7 +144,7 @@ BAD_PLANS = {
     "empty-request": ("ip", _set(1, 0), "increasing"),
     "last-page-0": ("lp", _set(1, 0), r"outside \[1, page_size=4\]"),
     "last-page-over": ("lp", _set(0, 5), r"outside \[1, page_size=4\]"),
-    "page-twice": ("ix", _set(1, -1), "negative"),
+    "negative-page": ("ix", _set(1, -1), "negative"),
     "qo-not-from-0": ("qo", _set(0, 1), "start at 0"),
     "qo-non-monotone": ("qo", _set(1, 4), "non-decreasing"),
     "qo-int64": ("qo", lambda t: t.long(), "int32"),
@@ -304,7 +304,8 @@ def test_graph_decode_wrapper_reuses_its_fixed_buffers(flashinfer_double):
         backend.plan_graph(m, bs)
         assert [t.data_ptr() for t in wrapper.buffers] == ptrs
         ip, ix, lp = wrapper.buffers
-        assert ip.tolist()[:n + 1] == m.kv_indptr.tolist() and lp.tolist() == m.kv_last_page_len.tolist() + [1] * (bs - n)
+        assert ip.tolist()[:n + 1] == m.kv_indptr.tolist()
+        assert lp.tolist() == m.kv_last_page_len.tolist() + [1] * (bs - n)
         assert ix[ip[n]:ip[bs]].tolist() == [scratch] * (bs - n)  # padding rows: one slot of the scratch page
         out = backend.forward(pad(q[:n]), pad(k[:n]), pad(v[:n]), cache.clone(), m, 1 / math.sqrt(d))
         assert out.shape[0] == bs and torch.allclose(out[:n], expected[:n], atol=1e-5)

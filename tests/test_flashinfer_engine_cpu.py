@@ -65,7 +65,8 @@ def twins(model, run, **kw):
     for backend in ("cpu", "flashinfer"):
         eng = build(model, backend, **kw)
         try:
-            assert type(eng.core.attn).__name__ == {"cpu": "CpuPagedBackend", "flashinfer": "FlashInferBackend"}[backend]
+            kind = {"cpu": "CpuPagedBackend", "flashinfer": "FlashInferBackend"}[backend]
+            assert type(eng.core.attn).__name__ == kind
             out[backend] = (run(eng), eng.stats())
         finally:
             close(eng)
