@@ -19,9 +19,10 @@ api/sampling.py.
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from api.messages import ChatMessage, ChatResponseMessage, DeltaMessage, OmitNone, TextContentPart  # noqa: F401
@@ -31,6 +32,7 @@ from api.errors import (  # noqa: F401 (the protocol's errors)
     ErrorInfo, ErrorResponse, RequestError, error_body, invalid_text_path, printable)
 from api.responses import *  # noqa: F401,F403 (the protocol's response shapes)
 from api.structured import StructuredFields
+from util.jsondepth import MAX_JSON_DEPTH, deep_path
 
 # int64 range, like vLLM's seed bounds (torch generators take 64-bit seeds).
 _INT64_MIN = -(2**63)
@@ -44,6 +46,21 @@ MIN_TEMPERATURE = 1e-2
 
 TokenId = Annotated[int, Field(ge=0)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+#: Nesting bound of a whole body. Fields that reach a recursive parser (templates, tool arguments, schemas) have
+#: their own bound of MAX_JSON_DEPTH measured from the field, so this one only stops what no field check sees.
+MAX_BODY_DEPTH = 2 * MAX_JSON_DEPTH
+#: request_id / X-Request-Id: echoed in a response header and the base of every id, so short and header-safe.
+MAX_REQUEST_ID_LEN = 256
+_REQUEST_ID_CHARS = re.compile(r"[!-~]+")  # visible ASCII: UUIDs and job ids, nothing a header cannot carry
+
+
+def request_id_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a request id (None when it can)."""
+    if len(value) > MAX_REQUEST_ID_LEN:
+        return f"must be at most {MAX_REQUEST_ID_LEN} characters, got {len(value)}"
+    if not _REQUEST_ID_CHARS.fullmatch(value):
+        return "must be visible ASCII characters only (letters, digits, punctuation; no spaces or control characters)"
+    return None
 
 
 class OpenAIBaseModel(BaseModel):
@@ -55,6 +72,14 @@ class OpenAIBaseModel(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _check_text(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # pydantic says the body must be an object
+        path = deep_path(data, MAX_BODY_DEPTH)  # first: the text check below recurses
+        if path is not None:
+            # the field and its index or key: the full path is as deep as the value
+            param = "".join(f"[{p}]" if isinstance(p, int) else f".{printable(p)}" for p in path[:2]).lstrip(".")
+            raise PydanticCustomError("too_deep", "{param}: nested deeper than {limit} levels",
+                                      {"param": param, "limit": MAX_BODY_DEPTH})
         path = invalid_text_path(data)
         if path is not None:
             param = ".".join(printable(str(p)) for p in path)
@@ -112,11 +137,20 @@ class _SamplingFields(OpenAIBaseModel, StructuredFields):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     request_id: Optional[NonEmptyStr] = Field(
-        None, description="The response id's base when no X-Request-Id header is sent (vLLM's field).")
+        None, description="The response id's base when no X-Request-Id header is sent (vLLM's field); at most "
+                          f"{MAX_REQUEST_ID_LEN} visible ASCII characters.")
     # kvllm extension
     kv_compression: KVCompressionField = Field(
         None, description="Per-request KV compression: 'none', a method name, or an object of settings "
                           "({'method': 'kara', 'ratio': 0.3, ...}); omitted fields keep the server's values.")
+
+    @field_validator("request_id")
+    @classmethod
+    def _check_request_id(cls, value: Optional[str]) -> Optional[str]:
+        problem = None if value is None else request_id_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
     @model_validator(mode="after")
     def _check_stream_options(self):

@@ -2,8 +2,9 @@
 
 ``/tokenize`` takes either the completion form ``{model, prompt, add_special_tokens=true}`` or the chat form
 ``{model, messages, add_generation_prompt=true, continue_final_message=false, add_special_tokens=false,
-chat_template_kwargs}``, told apart by the ``messages`` key; both take ``return_token_strs``. The answer is
-``{count, max_model_len, tokens, token_strs}``. ``/detokenize`` maps ``{model, tokens}`` to ``{prompt}``.
+chat_template_kwargs, tools}`` (``tools`` checked as chat checks them), told apart by the ``messages`` key; both
+take ``return_token_strs``. The answer is ``{count, max_model_len, tokens, token_strs}``. ``/detokenize`` maps
+``{model, tokens}`` to ``{prompt}``.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Annotated, Any, Optional, Union
 from pydantic import BaseModel, Discriminator, Field, Tag
 
 from api.protocol import ChatMessage, OpenAIBaseModel, TokenId
+from api.tools import ChatCompletionTool
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
@@ -29,6 +31,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     add_special_tokens: bool = Field(False, description="Add special tokens on top of the chat template's.")
     return_token_strs: Optional[bool] = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[ChatCompletionTool]] = Field(None, description="Shown to the chat template, as in chat.")
 
 
 def _form(body: Any) -> str:

@@ -52,6 +52,8 @@ try:
 except Exception:  # running from a source tree that is not installed
     __version__ = "0.1.0"
 
+_FASTAPI_BODY_ERROR = "There was an error parsing the body"
+
 _ERROR_RESPONSES: dict[Union[int, str], dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key (when the server has one)"},
@@ -112,7 +114,10 @@ def build_app(engine: Any, config: ServerConfig | None = None, **settings: Any) 
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), None, None, getattr(exc, "headers", None))
+        detail = str(exc.detail)
+        if detail == _FASTAPI_BODY_ERROR:  # FastAPI's answer when decoding the body raised (not a JSON error)
+            detail = "Could not decode the request body as JSON (nested too deeply, or not text)."
+        return error_response(exc.status_code, detail, None, None, getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception):

@@ -33,7 +33,8 @@ from server.request_ids import engine_ids, response_id
 from server.serving import Gen, Serving, log_ignored
 from server.state import ServerState
 from server.tools.base import ToolCallDelta
-from server.tools.schema import tool_choice_schema
+from server.tools.schema import check_parameters, tool_choice_schema
+from util.jsondepth import MAX_JSON_DEPTH, text_depth, value_depth
 
 AUTO_TOOLS_MESSAGE = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 _RESERVED_KWARGS = ("conversation", "tokenize", "add_generation_prompt", "continue_final_message", "return_dict",
@@ -53,6 +54,7 @@ def render_prompt(state: ServerState, req: Any, add_special_tokens: bool = False
     if tok is None or not (state.chat_template or getattr(tok, "chat_template", None)):
         raise RequestError("This model's tokenizer has no chat template; use /v1/completions or start the "
                            "server with --chat-template.", "messages")
+    check_template_inputs(req)
     messages = [m.to_template_dict() for m in req.messages]
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_KWARGS}
     if getattr(req, "tools", None):
@@ -74,11 +76,43 @@ def render_prompt(state: ServerState, req: Any, add_special_tokens: bool = False
     return text, ids
 
 
+def _check_depth(value: Any, param: str, text: bool = False) -> None:
+    depth = text_depth(value, MAX_JSON_DEPTH) if text else value_depth(value, MAX_JSON_DEPTH)
+    if depth > MAX_JSON_DEPTH:
+        raise RequestError(f"{param} is nested deeper than {MAX_JSON_DEPTH} levels", param)
+
+
+def check_template_inputs(req: Any) -> None:
+    """What reaches the chat template is bounded in depth, so neither decoding a call's arguments nor jinja
+    recurses without end (a 400 naming the field, not a RecursionError): the JSON text of the history's call
+    arguments (the body's own depth bound cannot see into strings), the messages' extra fields, the tools and
+    ``chat_template_kwargs``."""
+    for i, m in enumerate(req.messages):
+        for j, call in enumerate(m.tool_calls or ()):
+            args = call.function.arguments
+            _check_depth(args, f"messages[{i}].tool_calls[{j}].function.arguments", text=isinstance(args, str))
+        for key, value in (m.model_extra or {}).items():
+            _check_depth(value, f"messages[{i}].{key}")
+    for key, value in (req.chat_template_kwargs or {}).items():
+        _check_depth(value, f"chat_template_kwargs.{key}")
+    for i, tool in enumerate(getattr(req, "tools", None) or ()):
+        _check_depth(tool.function.parameters, f"tools[{i}].function.parameters")
+        _check_depth(tool.model_dump(exclude={"function": {"parameters"}}), f"tools[{i}]")
+
+
+def special_marker(tok: Any, marker: str) -> bool:
+    """Whether ``marker`` is one special token of ``tok``. Looked up among the added tokens, never through
+    `convert_tokens_to_ids`: that maps a string missing from the vocabulary to the unknown token, which may itself
+    be special (SmolLM2's ``<|endoftext|>``), and the markers are then plain text in the output."""
+    for token in (getattr(tok, "added_tokens_decoder", None) or {}).values():
+        if token.content == marker:
+            return bool(token.special)
+    return False
+
+
 def markers_are_special(tok: Any, markers: tuple[str, ...]) -> bool:
     """Whether any of a tool parser's markers is a special token of ``tok`` (some Hermes vocabularies)."""
-    added = getattr(tok, "added_tokens_decoder", None) or {}
-    ids = tok.convert_tokens_to_ids(list(markers)) if markers else []
-    return any(i in added and added[i].special for i in ids)
+    return any(special_marker(tok, m) for m in markers)
 
 
 # -------------------------------------------------------------------------------------------- the plan
@@ -104,6 +138,16 @@ def with_forced_tools(params: Any, body: ChatCompletionRequest) -> Any:
         raise RequestError(str(err), "tools") from None
     if schema is None:
         return params
+    # Each forced tool's parameters are checked as a schema here, so errors name the tool; what the grammar
+    # compiler still rejects names the tool too (or all of them, for "required" over several).
+    forced = [i for i, t in enumerate(body.tools) if choice == "required" or t.function.name == choice.function.name]
+    for i in forced:
+        param = f"tools[{i}].function.parameters"
+        try:
+            check_parameters(body.tools[i].function.parameters or {})
+        except ValueError as err:
+            raise RequestError(f"{param}: {err}", param) from None
+    param = f"tools[{forced[0]}].function.parameters" if len(forced) == 1 else "tools"
     from engine import sampling_params as sp
 
     if "structured_outputs" not in {f.name for f in dataclasses.fields(sp.SamplingParams)}:
@@ -114,7 +158,7 @@ def with_forced_tools(params: Any, body: ChatCompletionRequest) -> Any:
         raise RequestError("You can only either use constraints for structured outputs or tools, not both.",
                            "tool_choice")
     cls = getattr(sp, "StructuredOutputsParams", None)
-    value = cls(json=schema) if cls is not None else {"json": schema}
+    value = cls(json=schema, param=param) if cls is not None else {"json": schema, "param": param}
     try:
         return dataclasses.replace(params, structured_outputs=value)
     except ValueError as err:

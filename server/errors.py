@@ -68,7 +68,7 @@ def format_validation_error(exc: RequestValidationError) -> tuple[str, str | Non
             detail = (err.get("ctx") or {}).get("error", "")
             return f"Invalid JSON in the request body{': ' + str(detail) if detail else ''}", None
     for err in errors:
-        if err.get("type") == "invalid_unicode":  # the body check names the exact place (api/protocol.py)
+        if err.get("type") in ("invalid_unicode", "too_deep"):  # the body checks name the place (api/protocol.py)
             return str(err.get("msg")), (err.get("ctx") or {}).get("param")
     items = []
     for i, err in enumerate(errors):

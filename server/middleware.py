@@ -14,7 +14,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.protocol import random_uuid
+from api.protocol import random_uuid, request_id_problem
 from server.errors import error_response
 from server.request_ids import REQUEST_ID_HEADER, request_id_of, set_request_id
 #: Reachable without the API key, as in vLLM: probes, metrics scraping and the API docs.
@@ -23,7 +23,9 @@ PUBLIC_PATHS = ("/health", "/ping", "/version", "/metrics", "/docs", "/redoc", "
 
 class RequestIdMiddleware:
     """Records the client's X-Request-Id for the handler (server/request_ids.py) and echoes it, or the id the
-    handler chose, or a fresh one, in the response header."""
+    handler chose, or a fresh one, in the response header. An id that is too long or not visible ASCII is a 400
+    (as a body ``request_id`` is): echoing it would be a huge or unencodable header, and a changed id would no
+    longer be the client's."""
 
     def __init__(self, app: ASGIApp, echo: bool = True):
         self.app = app
@@ -32,15 +34,22 @@ class RequestIdMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        set_request_id(scope, (Headers(scope=scope).get(REQUEST_ID_HEADER) or "").strip() or None)
+        given = (Headers(scope=scope).get(REQUEST_ID_HEADER) or "").strip() or None
+        problem = None if given is None else request_id_problem(given)
+        set_request_id(scope, None if problem else given)
+        if problem:
+            response = error_response(400, f"{REQUEST_ID_HEADER} header {problem}", REQUEST_ID_HEADER)
+            return await response(scope, receive, self._sender(scope, send))
+        await self.app(scope, receive, self._sender(scope, send))
 
+    def _sender(self, scope: Scope, send: Send) -> Send:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start" and self.echo:
                 rid = request_id_of(scope) or random_uuid()
                 MutableHeaders(scope=message)[REQUEST_ID_HEADER] = rid
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        return send_with_id
 
 
 def _digest(key: str) -> bytes:

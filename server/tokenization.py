@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Union
 
 from api.protocol import RequestError
+from api.tools import ToolError, resolve_tool_choice
 from server.chat import render_prompt
 from api.tokenize import (
     DetokenizeRequest,
@@ -32,6 +33,10 @@ def tokenize(state: "ServerState", body: Union[TokenizeCompletionRequest, Tokeni
         if body.add_generation_prompt and body.continue_final_message:
             raise RequestError("add_generation_prompt and continue_final_message cannot both be true",
                                "continue_final_message")
+        try:
+            resolve_tool_choice(body.tools, None, False)  # chat's checks of `tools` (there is no tool_choice here)
+        except ToolError as err:
+            raise RequestError(str(err), err.param) from None
         ids = render_prompt(state, body, add_special_tokens=body.add_special_tokens)[1]
         tok = state.engine.tokenizer
     else:

@@ -64,3 +64,21 @@ def count_nodes(value: Any, limit: int | None = None) -> int:
         elif isinstance(node, (list, tuple)):
             stack.extend(node)
     return n
+
+
+def deep_path(value: Any, limit: int) -> tuple | None:
+    """The path (keys and indexes) to the first dict or list of ``value`` nested deeper than ``limit``, or None;
+    an error can then name where a too-deep value is."""
+    stack: list[tuple[Any, tuple]] = [(value, ())]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            items = list(node.items())
+        elif isinstance(node, (list, tuple)):
+            items = list(enumerate(node))
+        else:
+            continue
+        if len(path) >= limit:
+            return path
+        stack.extend((child, path + (key,)) for key, child in reversed(items))
+    return None

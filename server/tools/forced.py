@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from server.tools.base import ParsedToolCall, Scan, ToolCallText, ToolParser, call_from_reader, parsed_call
 from server.tools.jsonscan import ObjectReader, skip_ws, value_end
+from util.jsondepth import MAX_JSON_DEPTH, text_depth
 
 
 class NamedToolParser(ToolParser):
@@ -75,6 +76,8 @@ class RequiredToolParser(ToolParser):
                 st.expect = "done"
 
     def parse(self, text: str) -> tuple[str, list[ParsedToolCall]] | None:
+        if text_depth(text, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            return None  # json.loads would recurse past the interpreter's limit
         try:
             items = json.loads(text)
         except ValueError:

@@ -9,8 +9,9 @@ The model answers with optional text, then one or more blocks
 Content is the text before the first ``<tool_call>`` (text between and after the blocks is dropped, as in vLLM).
 A block ends at the first ``</tool_call>`` after its JSON object (one inside the JSON's strings does not end it;
 a block that does not hold an object ends at the first ``</tool_call>``). The last block may lack
-``</tool_call>`` (generation stopped on it); it is a call if its JSON is complete. A block whose JSON is malformed
-makes the whole output plain content (`ToolParser.extract`).
+``</tool_call>`` (generation stopped on it); it is a call if its JSON is complete. Text after a block's object
+and before its ``</tool_call>`` is dropped too. A block whose JSON is malformed (or nested deeper than
+MAX_JSON_DEPTH) makes the whole output plain content (`ToolParser.extract`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from server.textscan import Finder, partial_suffix_len
 from server.tools.base import ParsedToolCall, Scan, ToolCallText, ToolParser, call_from_reader, parsed_call
 from server.tools.jsonscan import ObjectReader, skip_ws
 from server.tools.registry import register
+from util.jsondepth import MAX_JSON_DEPTH, text_depth
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -93,7 +95,13 @@ class HermesToolParser(ToolParser):
         scan = self.scan(text, final=True, state=st)
         calls = []
         for blk in st.blocks:
-            segment = text[blk.body:blk.stop if blk.stop is not None else len(text)]
+            # the block's object, as the stream delimits it: text after it in the block is dropped (as between
+            # blocks), so a stream and the whole output agree on the calls
+            if blk.reader.end is None:
+                return None
+            segment = text[blk.body:blk.reader.end]
+            if text_depth(segment, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+                return None  # json.loads would recurse past the interpreter's limit
             try:
                 obj = json.loads(segment)
             except ValueError:

@@ -13,6 +13,53 @@ import copy
 from typing import Any
 
 _EMPTY_OBJECT = {"type": "object", "properties": {}}
+_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+# keywords whose value is a schema, a list of schemas, or a map of name -> schema
+_SCHEMA = ("not", "additionalProperties", "additionalItems", "contains", "propertyNames", "if", "then", "else",
+           "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def check_parameters(schema: Any) -> None:
+    """Raises ValueError when a tool's ``parameters`` is not a JSON schema in the shapes the keywords need (a
+    ``type`` that is no JSON type, ``properties`` that are not schemas, ...), so a forced tool_choice names the
+    tool, not the structured output made from it. Walks without recursion (depth is bounded by the caller)."""
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, where = stack.pop()
+        at = f" at {where}" if where else ""
+        if isinstance(node, bool):
+            continue
+        if not isinstance(node, dict):
+            raise ValueError(f"a schema must be an object or a boolean{at}, got {type(node).__name__}")
+        kind = node.get("type")
+        kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
+        if (not kinds and kind is not None) or not all(isinstance(k, str) and k in _TYPES for k in kinds):
+            raise ValueError(f"unsupported type {kind!r}{at}; a JSON schema type is one of {sorted(_TYPES)}")
+        required = node.get("required")
+        if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+            raise ValueError(f"'required'{at} must be a list of property names")
+        if "enum" in node and not isinstance(node["enum"], list):
+            raise ValueError(f"'enum'{at} must be a list")
+        for key in _SCHEMA:
+            if key in node:
+                stack.append((node[key], f"{where}.{key}".lstrip(".")))
+        items = node.get("items")
+        if isinstance(items, list):
+            stack.extend((s, f"{where}.items[{i}]".lstrip(".")) for i, s in enumerate(items))
+        elif items is not None:
+            stack.append((items, f"{where}.items".lstrip(".")))
+        for key in _SCHEMA_LIST:
+            if key in node:
+                if not isinstance(node[key], list) or not node[key]:
+                    raise ValueError(f"'{key}'{at} must be a non-empty list of schemas")
+                stack.extend((s, f"{where}.{key}[{i}]".lstrip(".")) for i, s in enumerate(node[key]))
+        for key in _SCHEMA_MAP:
+            if key in node:
+                if not isinstance(node[key], dict):
+                    raise ValueError(f"'{key}'{at} must be an object of schemas")
+                stack.extend((s, f"{where}.{key}.{name}".lstrip(".")) for name, s in node[key].items())
 
 
 def _function(tool: Any) -> dict[str, Any]:
