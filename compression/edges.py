@@ -133,13 +133,16 @@ def _float_edges(lo: float, hi: float, lo_open: bool, hi_open: bool) -> list[flo
 
 
 def _st_int(st, lo: int, hi: int, odd: bool = False):
-    """Integers in [lo, hi] (odd ones only if asked), half of the draws at the ends of the range."""
+    """Integers in [lo, hi] (odd ones only if asked): a third at the ends of the range, a third near its low end
+    (small windows, periods and budgets are the ones a short request reaches), a third anywhere."""
     if odd:
         lo += lo % 2 == 0
         hi -= hi % 2 == 0
+        a, b = (lo - 1) // 2, (hi - 1) // 2
         return st.one_of(st.sampled_from(_int_edges(lo, hi, True)),
-                         st.integers((lo - 1) // 2, (hi - 1) // 2).map(lambda k: 2 * k + 1))
-    return st.one_of(st.sampled_from(_int_edges(lo, hi)), st.integers(lo, hi))
+                         st.integers(a, min(b, a + 4)).map(lambda k: 2 * k + 1),
+                         st.integers(a, b).map(lambda k: 2 * k + 1))
+    return st.one_of(st.sampled_from(_int_edges(lo, hi)), st.integers(lo, min(hi, lo + 8)), st.integers(lo, hi))
 
 
 def _st_param(st, r: Range, ctx: dict):
@@ -218,11 +221,13 @@ def valid_edge_requests(method: str, *, max_len: int = 48, vocab_size: int = 128
     def requests(draw) -> tuple[dict, int, int]:
         d = draw(valid_edge_settings(method, max_len=max_len, vocab_size=vocab_size))
         key = d["window"] if d["policy"] == "periodic" else d["threshold_max"]
-        p_edges = [v for v in (1, key - 1, key, key + 1, d["buffer"], max_len - 1) if 1 <= v <= max_len - 1]
+        p_edges = [v for v in (1, 2, key - 1, key, key + 1, d["buffer"], max_len - 1) if 1 <= v <= max_len - 1]
         prompt_len = draw(st.one_of(st.sampled_from(p_edges), st.integers(1, max_len - 1)))
         room = max_len - prompt_len
         period = d["compression_period"] if d["policy"] == "periodic" else d["threshold_max"] - prompt_len
-        t_edges = [v for v in (1, period - 1, period, period + 1, d["window"] - d["buffer"] + 1, room)
+        # max_tokens around the first round (a period after the first complete window; threshold: C_max reached)
+        due = max(period, d["window"]) if d["policy"] == "periodic" else period
+        t_edges = [v for v in (1, period - 1, period, period + 1, due, due + 1, due + period, room)
                    if 1 <= v <= room]
         return d, prompt_len, draw(st.one_of(st.sampled_from(t_edges), st.integers(1, room)))
 
