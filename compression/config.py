@@ -14,7 +14,7 @@ Common fields:
   * ``method`` — a registered method name (``compression.registry.names()``); ``"none"`` disables compression.
   * ``policy`` — ``"periodic"`` (rounds over complete trailing windows) or ``"threshold"`` (compress the whole
     cache to ``threshold_target`` once it reaches ``threshold_max``); defaults to the method's first policy.
-  * ``ratio`` r ∈ (0, 1] — fraction of each window's region kept (periodic policy).
+  * ``ratio`` r ∈ (0, 1] — fraction of each window's region kept (periodic policy): ⌈r·n⌉, so at least one slot.
   * ``window`` |W|, ``buffer`` |U| with 0 < |U| < |W|.
   * ``compression_period`` — a sequence's own decode steps between its rounds (≥ |W| − |U|, so a round only
     ever sees tokens no earlier round compressed).

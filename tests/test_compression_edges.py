@@ -115,6 +115,51 @@ def test_valid_edge_settings_are_served(engine, method):
     assert engine.stats().compression.by_method[method].rounds > 0  # the edges reached rounds, not just requests
 
 
+@pytest.fixture(scope="module")
+def small_pool(tiny_llama_dir):
+    from conftest import check_every_step
+    from engine.engine import Engine
+
+    # room for about two full-length sequences: the batched examples below preempt
+    eng = check_every_step(Engine(model=str(tiny_llama_dir), dtype="float32", device="cpu", block_size=4,
+                                  num_kv_blocks=24, max_model_len=MAX_LEN, watermark=0, max_num_seqs=8))
+    yield eng
+    eng.shutdown()
+    eng.check_invariants()
+
+
+def test_valid_edge_settings_batched_with_preemptions(small_pool):
+    # several methods' edges in one batch: rounds mixing configs, on-demand rounds and preemptions of a small pool
+    from hypothesis import strategies as st
+
+    cases = st.lists(st.sampled_from(METHODS).flatmap(lambda m: valid_edge_requests(m, max_len=MAX_LEN)),
+                     min_size=2, max_size=5)
+
+    @settings(max_examples=20, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(cases)
+    def check(batch):
+        eng = small_pool
+        reqs = []
+        for i, (kv, prompt_len, max_tokens) in enumerate(batch):
+            req = eng.new_request([4 + (7 * j) % 120 for j in range(prompt_len)],
+                                  SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                 kv_compression=kv), f"batch{i}")
+            eng.add_request(req)
+            reqs.append(req)
+        while eng.has_unfinished_requests():
+            eng.step()
+        for req, (_, _, max_tokens) in zip(reqs, batch):
+            assert req.error is None, repr(req.error)
+            assert req.final.outputs[0].finish_reason == "length"
+            assert len(req.final.outputs[0].token_ids) == max_tokens
+        s = eng.stats()
+        assert s.num_free_blocks == s.num_blocks, "KV blocks left once idle"
+
+    check()
+    assert small_pool.stats().num_preemptions > 0 and small_pool.stats().compression.rounds > 0
+
+
 # ----------------------------------------------------------------------------- the validator's side
 def test_every_method_parameter_has_a_range():
     for m in METHODS:
