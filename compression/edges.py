@@ -6,9 +6,9 @@ ends of each range: a ratio keeping ⌈r·n⌉ = 1 slot (r down to 1e-11) or all
 one-slot region, period 1), budgets 0 and max, chunk and kernel sizes at their bounds, threshold_max =
 threshold_target + 1 and threshold_target = observation_window + 1, counts at the kept count. Every such setting
 must run in the engine: a round must never be the first to reject one. `valid_edge_requests` adds the request
-around it (prompts shorter than a window, max_tokens below the period). `just_outside(method)` lists, for each
-bounded field, one setting that is valid but for that field, set just past its bound (the validator must reject
-it naming ``kv_compression.<field>``).
+around it (prompts shorter than a window, max_tokens below the period). `just_outside(method, base)` lists, for
+each bounded field, settings equal to a valid ``base`` but for that field, set just past its bound (the validator
+must reject each naming ``kv_compression.<field>``).
 
 Each method parameter's range is in `PARAM_RANGES`, by name (names are shared between methods: ``kernel``,
 ``obs_window``, ...); a registered method with a parameter missing there makes these functions raise, so a new
@@ -171,8 +171,9 @@ def _ratio_edges(n: int) -> list[float]:
 def valid_edge_settings(method: str, *, max_len: int = 48, vocab_size: int = 128):
     """A hypothesis strategy of flat ``kv_compression`` dicts for ``method`` (a name in `registry.names()`, not
     "none") that the validator accepts on an engine whose max_model_len is ``max_len`` (>= 4) and whose vocabulary
-    has ``vocab_size`` tokens, drawn at the edges of every range half of the time (module docstring). Every
-    common field is set, so a dict means the same whatever the engine's default."""
+    has ``vocab_size`` tokens, each integer a third of the time at an end of its range and a third near its low
+    end, each float half of the time at or next to an end (module docstring). Every common field is set, so a
+    dict means the same whatever the engine's default."""
     from hypothesis import strategies as st
 
     spec = registry.get(method)
