@@ -45,7 +45,7 @@ protects the newest tokens and the attention sinks are the sequence's first toke
 region).
 
 Cost: the base scorer's, plus O(T) per row for the mass and the selection (two sorts), and a Python loop over at
-most ~1/segment_mass + T/max_seg_len segment starts (vectorised over rows).
+most min(T, ~1/segment_mass + T/max_seg_len) segment starts (vectorised over rows).
 
 Registered as ``ams`` (bottom of this module), periodic (kept count ⌈r·n⌉ per window, no α) and threshold. In the
 serving loop the credit is per-sequence state: `ams_threshold_select` gets the credit the sequence's previous event
@@ -197,6 +197,20 @@ def _num_targets(segment_mass: float) -> int:
     return max(0, math.ceil(1.0 / segment_mass - 1e-9) - 1)
 
 
+#: 2^-52: at most 2^52 targets, counted exactly in float64; finer ones resolve nothing more (see `_segment_ids`).
+_MIN_SEGMENT_MASS = 2.0 ** -52
+
+
+def _targets_at_most(x: torch.Tensor, sm: float, nt: int) -> torch.Tensor:
+    """#{1 <= i <= nt : i * sm <= x} per entry (float64), the products rounded as float64 like a tensor of
+    targets would be: floor(x / sm), corrected by a step either way where the division rounded across."""
+    k = torch.floor(x / sm).clamp(0, nt)
+    for _ in range(2):
+        k = torch.where((k + 1 <= nt) & ((k + 1) * sm <= x), k + 1, k)
+        k = torch.where((k > 0) & (k * sm > x), k - 1, k)
+    return k
+
+
 def _segment_ids(m: torch.Tensor, segment_mass: float, min_seg_len: int, max_seg_len: int) -> torch.Tensor:
     """m: normalised mass [R, T]. Returns the segment index of every position, LongTensor [R, T] (0, 1, ...)."""
     R, T = m.shape
@@ -204,12 +218,19 @@ def _segment_ids(m: torch.Tensor, segment_mass: float, min_seg_len: int, max_seg
     pos = torch.arange(T, device=dev)
     is_start = torch.zeros(R, T, dtype=torch.bool, device=dev)
     is_start[:, 0] = True
-    nt = _num_targets(segment_mass)
+    # Finer targets than float64 resolves below a cumulative mass of 1 cut the same places (every slot); without
+    # the floor 1 / segment_mass overflows and the count of targets leaves float64's exact integers.
+    sm = max(float(segment_mass), _MIN_SEGMENT_MASS)
+    nt = _num_targets(sm)
     if T > 1 and nt > 0:
+        # Target t_i = i * sm (1 <= i <= nt) cuts before the first index whose cumulative mass reaches it, clamped
+        # to [1, T - 1]. Counted per position rather than enumerated (nt grows as 1 / segment_mass): slot j starts
+        # a segment iff some target lies in (cum[j - 1], cum[j]], the first and last slots' intervals open-ended.
         cum = m.to(torch.float64).cumsum(dim=-1)
-        targets = (torch.arange(1, nt + 1, dtype=torch.float64, device=dev) * segment_mass).expand(R, nt)
-        cuts = torch.searchsorted(cum, targets.contiguous()).clamp(1, T - 1)  # first index with cum >= target
-        is_start.scatter_(1, cuts, True)
+        below = _targets_at_most(cum[:, 1:T - 1], sm, nt)  # targets <= cum[j] for 1 <= j <= T - 2
+        hi = torch.cat([below, torch.full((R, 1), float(nt), dtype=torch.float64, device=dev)], dim=-1)
+        lo = torch.cat([torch.zeros(R, 1, dtype=torch.float64, device=dev), below], dim=-1)
+        is_start[:, 1:] |= hi > lo
     # Split long segments: a new start every max_seg_len positions from each segment's start.
     seg_start = torch.where(is_start, pos, 0).cummax(dim=-1).values
     is_start |= (pos - seg_start) % max_seg_len == 0

@@ -14,7 +14,7 @@ Common fields:
   * ``method`` — a registered method name (``compression.registry.names()``); ``"none"`` disables compression.
   * ``policy`` — ``"periodic"`` (rounds over complete trailing windows) or ``"threshold"`` (compress the whole
     cache to ``threshold_target`` once it reaches ``threshold_max``); defaults to the method's first policy.
-  * ``ratio`` r ∈ (0, 1] — fraction of each window's region kept (periodic policy).
+  * ``ratio`` r ∈ (0, 1] — fraction of each window's region kept (periodic policy): ⌈r·n⌉, so at least one slot.
   * ``window`` |W|, ``buffer`` |U| with 0 < |U| < |W|.
   * ``compression_period`` — a sequence's own decode steps between its rounds (≥ |W| − |U|, so a round only
     ever sees tokens no earlier round compressed).
@@ -43,10 +43,12 @@ INT64_MAX = 2**63 - 1
 
 
 def num_topk(ratio: float, n: int) -> int:
-    """⌈r·n⌉ (eq. 4), robust to binary float error (0.3 · 10 is 3.0000000000000004 in floats, but ⌈·⌉ must be 3)."""
+    """⌈r·n⌉ (eq. 4), robust to binary float error (0.3 · 10 is 3.0000000000000004 in floats, but ⌈·⌉ must be 3).
+    At least 1 for r > 0: ⌈·⌉ of a positive number is >= 1, and the rounding must not turn a tiny r·n into 0 (a
+    ratio the validator accepts never asks a round to keep nothing of a region)."""
     if n <= 0:
         return 0
-    return min(n, math.ceil(round(ratio * n, 9)))
+    return min(n, max(1, math.ceil(round(ratio * n, 9))))
 
 
 def _is_int(v: Any) -> bool:

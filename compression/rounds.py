@@ -113,7 +113,7 @@ def window_jobs(candidates: list, kv: Any, queries: Callable, compressor: Callab
         for seq, num_windows, _, _ in group:
             rows = slice(start * L, (start + num_windows) * L)
             start += num_windows
-            part = kept[rows].view(num_windows, L, -1, K)
+            part = kept[rows].view(num_windows, L, kept.shape[1], K)  # explicit Hkv: no -1 to infer
             shift = (torch.arange(num_windows, device=part.device) * n).view(-1, 1, 1, 1)
             rel = (part + shift).permute(1, 2, 0, 3).reshape(L, part.shape[2], num_windows * K)
             req = CompactionRequest(seq, seq.compression.compressed_kv_len, num_windows * n, rel)
