@@ -64,7 +64,8 @@ class KVManager(Protocol):
 
 
 class CompressionStage:
-    def __init__(self, default: Any = None, device_type: str = "cpu", limits: Limits | None = None):
+    def __init__(self, default: Any = None, device_type: str = "cpu", limits: Limits | None = None,
+                 round_hook: Callable[[str, list], None] | None = None):
         self.default: KVCompressionConfig = coerce(default) or KVCompressionConfig("none")
         self.device_type = device_type  # resolves query_source="auto"
         self.limits = limits  # bounds of the integer settings a request may carry (None: unchecked)
@@ -74,9 +75,9 @@ class CompressionStage:
         # it and fails their requests alone
         self.failed: list[tuple[Any, BaseException]] = []
         self.stats = RoundStats()
-        # Tensor parallelism sets this (engine/distributed/driver.py): called with ("window" | "threshold", the
-        # sequences) before a round touches the KV cache, so that every rank runs this same round on its KV heads.
-        self.round_hook: Callable[[str, list], None] | None = None
+        # Tensor parallelism (engine/distributed/driver.py): called with ("window" | "threshold", the sequences)
+        # before a round touches the KV cache, so that every rank runs this same round on its KV heads.
+        self.round_hook = round_hook
 
     # -- per-request settings -----------------------------------------------------------------------------
     def resolve(self, value: Any) -> KVCompressionConfig | None:

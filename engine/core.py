@@ -1,11 +1,10 @@
 """EngineCore: the synchronous engine. `add_request`, `abort` and `step` are called from one thread only.
 
-A step is a short loop over owners that hand each other plain results (docs/DESIGN.md, "The path of one step"):
-the lossless controller starts drafts, the scheduler makes a `SchedulerOutput`, the model runner turns its forward
-items into a `StepResult`, and then each owner takes what concerns it: the scheduler commits the KV and measures
-costs, the compression stage keeps captured queries, the lossless controller mirrors exact caches and diverts draft
-rows, the sampler draws, the output processor appends and stops, the lossless controller verifies due drafts, the
-compression stage runs due rounds. A failure in one request's own part of any of these ends that request alone
+A step is three calls over plain data (engine/step_types.py; docs/DESIGN.md, "The path of one step"): the scheduler
+decides (`SchedulerOutput`), the executor runs it (engine/executor.py: forward, KV committed, sampling: a
+`StepResult`), the output processor appends and stops. The step components (engine/lossless.py `LosslessStep`,
+engine/compression_step.py `CompressionStep`), built with the owners they need, run before the schedule, after the
+forward and after the step. A failure in one request's own part of any of these ends that request alone
 (`RequestFailedError`, its blocks freed); only a failure of the batched forward itself stops the loop.
 """
 from __future__ import annotations
@@ -22,8 +21,10 @@ from compression.stage import CompressionStage
 from compression.stats import RoundStats
 from engine.attention import get_backend
 from engine.config import EngineConfig, parse_dtype
-from engine.errors import InvalidRequestError, RequestFailedError
-from engine.lossless import LosslessController
+from engine.errors import InvalidRequestError
+from engine.compression_step import CompressionStep
+from engine.executor import StepExecutor
+from engine.lossless import LosslessController, LosslessStep
 from engine.model_runner import ModelRunner
 from engine.models.layer_ops import pick_layer_ops
 from engine.models.packed import GEMM_BACKENDS
@@ -33,16 +34,15 @@ from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import ScoringState, Sequence
+from engine.step_types import Failures, SchedulerOutput, StepComponent, tagged
 from engine.structured import StructuredOutputs
 from paging.kv_cache import KVCache
 from paging.kv_cache_manager import KVCacheManager
 
 logger = logging.getLogger("kvllm")
 
-#: (sequence, error) of sequences whose own part of a step failed
-Failures = list[tuple[Sequence, BaseException]]
 
 
 class EngineCore:
@@ -96,12 +96,15 @@ class EngineCore:
                                 cfg.head_dim, self.kv_dtype, self.device)
         self.kv = kv_manager(self.kv_cache, config.enable_prefix_caching, host_blocks, compute_dtype=self.dtype)
         self.attn = get_backend(config.attention_backend, self.device)
-        self.runner = ModelRunner(self.model, cfg, self.kv_cache, self.attn, self.device, self.dtype)
+        tp = self.driver  # under tensor parallelism each plan and each round goes to the workers first
+        self.runner = ModelRunner(self.model, cfg, self.kv_cache, self.attn, self.device, self.dtype,
+                                  on_plan=tp.on_plan if tp is not None else None)
         self.stage = CompressionStage(config.kv_compression, self.device.type,
-                                      Limits(self.max_model_len, cfg.vocab_size))
-        if self.driver is not None:
-            self.driver.check_compression(self.stage.default)
-            self.driver.attach(self.runner, self.stage, self.kv)
+                                      Limits(self.max_model_len, cfg.vocab_size),
+                                      round_hook=tp.on_round if tp is not None else None)
+        if tp is not None:
+            tp.check_compression(self.stage.default)
+            tp.attach(self.kv)
         self.counters = EngineStats(num_blocks=num_blocks)
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -113,7 +116,6 @@ class EngineCore:
         self.sampler = Sampler(self.eos_token_ids, config.seed, self.structured, self.stage.record_entropy,
                                argmax=self.model.layer_ops.argmax)
         self.lossless = LosslessController(self.kv, self.runner, self.sampler, self.counters, self.max_model_len)
-        reclaim = self._reclaim if config.compress_before_preempt else None
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             watermark_blocks=int(config.watermark * num_blocks),
@@ -121,11 +123,15 @@ class EngineCore:
                             admission_optimism=config.admission_optimism,
                             projected_output_len=config.projected_output_len, max_model_len=self.max_model_len,
                             preemption_mode=config.preemption_mode),
-            self.kv, reclaim=reclaim, verifier=self.lossless, stats=self.counters)
+            self.kv, verifier=self.lossless, stats=self.counters)
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.counters,
                                       self.structured, finish=self.scheduler.finish)
-        self.lossless.append = self.output.append
-        self.lossless.preempt = lambda seq: self.scheduler.preempt(seq, swap=False)
+        # the optional stages of every step, in order (lossless drafts start before a round may reclaim blocks)
+        self.components: list[StepComponent] = [
+            LosslessStep(self.lossless, self.scheduler, self.output),
+            CompressionStep(self.stage, self.scheduler, self.kv, self.runner, config.compress_before_preempt),
+        ]
+        self.executor = StepExecutor(self.runner, self.scheduler, self.sampler, self.components)
         self.requests: dict[str, Request] = {}
 
     # -- inputs -------------------------------------------------------------------------------------------
@@ -248,40 +254,29 @@ class EngineCore:
 
     # -- the step -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch through the owners; returns the outputs of requests that finished in it."""
+        """schedule -> execute -> update, with the step components before the schedule and after the step; returns
+        the outputs of requests that finished in it."""
         t0 = time.perf_counter()
-        self.lossless.before_schedule(self.scheduler.running)
+        for component in self.components:
+            self._fail(component.before_schedule())
         sched = self.scheduler.schedule()
-        self._fail(sched.failed, "scheduling")
-        result = self.runner.execute(sched.forward)
-        self.scheduler.update_from_output(sched, result)
-        self._fail(self.stage.update_from_output(result.captured), "storing its queries")
-        self._fail(self.lossless.update_from_output(sched.forward), "its lossless full tier")
-        sampled = self.sampler.sample(*self.lossless.draft(result.sample_seqs, result.logits))
-        self._fail(sampled.failed + self.output.update_from_output(result.scored, sampled.tokens), "sampling")
-        self._fail(self.lossless.verify(sched.verify), "its lossless verification")
-        self._fail(self.stage.after_step(self.scheduler.running, self.kv, self.runner.recompute_queries),
-                   "its compression round")
+        result = self.executor.execute(sched)
+        self._fail(result.failed + self.output.update_from_output(result.scored, result.sampled), "sampling")
+        for component in self.components:
+            self._fail(component.after_step(sched))
         self._count_step(sched, time.perf_counter() - t0)
         return self._emit(sched)
 
-    def _reclaim(self, running: list[Sequence], blocks_wanted: int) -> int:
-        """The scheduler's remedy before preempting: compress now (an on-demand round)."""
-        freed = self.stage.reclaim(running, self.kv, self.runner.recompute_queries, blocks_wanted)
-        self._fail(self.stage.take_failed(), "its compression round")
-        return freed
-
-    def _fail(self, failed: Failures, where: str) -> None:
+    def _fail(self, failed: Failures, where: str = "this step") -> None:
         """The requests of sequences whose own part of the step failed end alone; the step goes on."""
-        for seq, err in failed:
+        for seq, err in tagged(failed, where):
             req = self.requests.get(seq.request_id)
             if req is not None and req.error is None:
                 if isinstance(err, InvalidRequestError):  # the request's own settings: the client is told (a 400)
-                    logger.info("request %s ended in %s: %s", seq.request_id, where, err)
-                    self.fail(req, err)
-                    continue
-                logger.error("request %s failed in %s: %r", seq.request_id, where, err)
-                self.fail(req, err if isinstance(err, RequestFailedError) else RequestFailedError(where, err))
+                    logger.info("request %s ended: %s", seq.request_id, err)
+                else:
+                    logger.error("request %s failed: %r", seq.request_id, err)
+                self.fail(req, err)
 
     def _count_step(self, sched: SchedulerOutput, seconds: float) -> None:
         self.counters.num_steps += bool(sched)

@@ -20,6 +20,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.sampler import draw, sampling_probs
+from engine.step_types import Failures, SchedulerOutput, StepResult, tagged
 from util import cdiv
 
 
@@ -85,8 +86,6 @@ class LosslessController:
     def __init__(self, kv, runner, sampler, stats, max_model_len: int):
         self.kv, self.runner, self.sampler, self.stats = kv, runner, sampler, stats
         self.max_model_len = max_model_len
-        self.append: Callable[[Any, int, tuple | None], bool] | None = None  # the output processor's
-        self.preempt: Callable[[Any], None] | None = None  # the scheduler's restart of a sequence
 
     # -- requests -----------------------------------------------------------------------------------------
     def _final_blocks(self, seq) -> int:
@@ -183,9 +182,12 @@ class LosslessController:
         keep = [i for i in range(len(seqs)) if i not in set(rows)]
         return [seqs[i] for i in keep], (logits[keep] if keep else None)
 
-    def verify(self, seqs: list) -> list[tuple[Any, BaseException]]:
+    def verify(self, seqs: list, append: Callable[[Any, int, tuple | None], bool],
+               restart: Callable[[Any], None]) -> list[tuple[Any, BaseException]]:
         """One forward of [last committed token, drafts...] of every due sequence over its full tier, then the
-        acceptance rule, the rollback of rejected drafts and the verified K/V into the device cache."""
+        acceptance rule, the rollback of rejected drafts and the verified K/V into the device cache. `append`
+        commits a token (the output processor's); `restart` rebuilds a sequence from its tokens (the scheduler's
+        preemption by recompute)."""
         if not seqs:
             return []
         t0 = time.perf_counter()
@@ -206,14 +208,15 @@ class LosslessController:
             q = queries[:, k0:k0 + len(tokens)] if queries is not None else None
             k0 += len(tokens)
             try:
-                self._accept(seq, tokens[1:], start, rows, q)
+                self._accept(seq, tokens[1:], start, rows, q, append, restart)
             except Exception as err:  # this sequence's own part: only its request ends
                 failed.append((seq, err))
         self.stats.lossless_verifications += len(seqs)
         self.stats.lossless_verify_seconds += time.perf_counter() - t0
         return failed
 
-    def _accept(self, seq, drafts: list[int], start: int, rows: torch.Tensor, queries: torch.Tensor | None) -> None:
+    def _accept(self, seq, drafts: list[int], start: int, rows: torch.Tensor, queries: torch.Tensor | None,
+                append: Callable, restart: Callable) -> None:
         p, ls = seq.params, seq.lossless
         # row j stands after the committed outputs and the first j drafts
         self.sampler.process(rows, [seq] * rows.shape[0],
@@ -245,7 +248,31 @@ class LosslessController:
                 top = logp[j].topk(p.logprobs) if p.logprobs else None
                 entry = (float(logp[j, token]), top.indices.tolist() if top is not None else [],
                          top.values.tolist() if top is not None else [])
-            if self.append(seq, token, entry):
+            if append(seq, token, entry):
                 return
         if not fits:  # the pool has no room for the verified slots: rebuild this sequence from its tokens
-            self.preempt(seq)
+            restart(seq)
+
+
+class LosslessStep:
+    """Lossless mode as a step component (engine/core.py): drafts start before the schedule, the full tier mirrors
+    exact caches and draft rows leave normal sampling after the forward, due drafts are verified after the step."""
+
+    def __init__(self, controller: LosslessController, scheduler, output):
+        self.controller, self.scheduler, self.output = controller, scheduler, output
+
+    def before_schedule(self) -> Failures:
+        self.controller.before_schedule(self.scheduler.running)
+        return []
+
+    def after_forward(self, sched: SchedulerOutput, result: StepResult) -> Failures:
+        failed = tagged(self.controller.update_from_output(sched.forward), "its lossless full tier")
+        result.sample_seqs, result.logits = self.controller.draft(result.sample_seqs, result.logits)
+        return failed
+
+    def after_step(self, sched: SchedulerOutput) -> Failures:
+        return tagged(self.controller.verify(sched.verify, self.output.append, self._restart),
+                      "its lossless verification")
+
+    def _restart(self, seq) -> None:
+        self.scheduler.preempt(seq, swap=False)

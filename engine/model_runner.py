@@ -15,22 +15,9 @@ from typing import Callable
 import torch
 
 from engine.attention.base import AttentionBackend, QueryCapture, build_metadata
-from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+from engine.step_types import ScheduledSeq, StepResult
 from paging.kv_cache import KVCache
-
-
-@dataclass
-class StepResult:
-    num_tokens: int = 0  # tokens the forward ran
-    seconds: float = 0.0  # its wall time
-    sample_seqs: list[Sequence] = field(default_factory=list)
-    logits: torch.Tensor | None = None  # float32 [len(sample_seqs), V]: next-token logits
-    # Teacher-forced scoring: per sequence, log p(token[t] | tokens[:t]) for the positions this step covered, and
-    # (prompt_logprobs) the top_n most probable tokens of each of them
-    scored: list[tuple[Sequence, list[float], list[dict[int, float]]]] = field(default_factory=list)
-    # query_source="cache": (sequence, first logical position, post-RoPE queries [L, n, Hq, D]) of its new tokens
-    captured: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -67,7 +54,7 @@ class _StepContext:
 
 class ModelRunner:
     def __init__(self, model, model_config, kv_cache: KVCache, attn: AttentionBackend, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, on_plan: Callable[[ForwardPlan, list[Sequence]], None] | None = None):
         self.model = model
         self.config = model_config
         self.kv_cache = kv_cache
@@ -76,7 +63,7 @@ class ModelRunner:
         self.dtype = dtype
         self.scale = 1.0 / math.sqrt(model_config.head_dim)
         # Tensor parallelism (engine/distributed/driver.py): sends each plan to the other ranks before rank 0 runs it.
-        self.on_plan: Callable[[ForwardPlan, list[Sequence]], None] | None = None
+        self.on_plan = on_plan
 
     def _plan(self, meta) -> None:
         # this rank's heads (all of them without tensor parallelism)

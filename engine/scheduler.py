@@ -4,8 +4,9 @@ One token budget per step covers decodes and (chunked) prefills together, vLLM-v
 first, in admission order, then waiting ones. KV slots come from the KV cache manager (paging/kv_cache_manager.py).
 
 Memory pressure, cheapest remedy first:
-1. Compress before preempting: if the running sequences' slots for this step do not fit, `reclaim` (the compression
-   stage, given by the engine) compresses the complete windows of their uncompressed tails now, whatever their period.
+1. Compress before preempting: if the running sequences' slots for this step do not fit, `shortage` says by how
+   many blocks, and the engine's compression stage compresses the complete windows of their uncompressed tails now,
+   whatever their period (the scheduler decides; it never runs a forward or a round itself).
 2. Preemption: the victim is the not-yet-scheduled running sequence whose eviction costs least (``"cheapest"``:
    recomputing its tokens, or copying its blocks to host memory and back, by the measured costs) or the newest
    (``"newest"``, vLLM's LIFO). A recomputed sequence goes back to the front of the waiting queue with its prompt
@@ -20,15 +21,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Protocol
 
+from engine.outputs import EngineStats
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_types import ScheduledSeq, SchedulerOutput, Shortage, StepResult
 from paging.kv_cache_manager import KVCacheManager
 from util import cdiv
 
-if TYPE_CHECKING:
-    from engine.model_runner import StepResult
-    from engine.outputs import EngineStats
+__all__ = ["Scheduler", "SchedulerConfig", "ScheduledSeq", "SchedulerOutput", "Shortage", "PreemptionCosts"]
 
 SCHEDULING_POLICIES = ("fcfs", "compression-aware")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -76,44 +77,6 @@ class PreemptionCosts:
         return 2 * len(seq.block_table) * self.seconds_per_block  # out now, in later
 
 
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_tokens: int  # new tokens run this step, starting at seq.num_computed_tokens
-    verify: bool = False  # lossless: run [last committed token, drafts...] over the full tier instead
-
-    @property
-    def completes_prefill(self) -> bool:
-        """After this step every known token is computed, so the step yields the next token's logits."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    failed: list[tuple[Sequence, BaseException]] = field(default_factory=list)  # retired: their own part raised
-    swapped_out: int = 0  # blocks copied to host memory
-    swapped_in: int = 0
-    seconds: float = 0.0  # the schedule's wall time (block copies dominate one that swapped)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def forward(self) -> list[ScheduledSeq]:
-        """Items the model runs over the pool (everything but verification items)."""
-        return [x for x in self.scheduled if not x.verify and not x.seq.is_finished]
-
-    @property
-    def verify(self) -> list[Sequence]:
-        return [x.seq for x in self.scheduled if x.verify and not x.seq.is_finished]
-
-    def __bool__(self) -> bool:
-        return bool(self.scheduled)
-
-
 class Verifier(Protocol):
     """Sequences whose next tokens are verified outside the pool (lossless mode: engine/lossless.py). The scheduler
     gives them a verification item when one is due, and knows nothing else of them."""
@@ -133,16 +96,12 @@ class _NoVerifier:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 reclaim: Callable[[list[Sequence], int], int] | None = None, verifier: Verifier | None = None,
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, verifier: Verifier | None = None,
                  stats: EngineStats | None = None):
-        from engine.outputs import EngineStats
-
         self.config = config
         self.kv = kv
         # the engine's counters it adds to: preemptions, swapped blocks, recomputed and prompt tokens
         self.stats = stats if stats is not None else EngineStats()
-        self.reclaim = reclaim  # (running sequences, blocks wanted) -> blocks freed by compressing now
         self.verifier = verifier or _NoVerifier()
         self.costs = PreemptionCosts()
         self.waiting: deque[Sequence] = deque()
@@ -179,8 +138,6 @@ class Scheduler:
         t0 = time.perf_counter()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        self._reclaim_if_short(budget)
-
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -260,11 +217,12 @@ class Scheduler:
         return n
 
     # -- memory pressure ---------------------------------------------------------------------------------
-    def _reclaim_if_short(self, budget: int) -> None:
-        """Compress before preempting: if this step's running sequences need more blocks than are free."""
-        if self.reclaim is None or not self.running:
-            return
-        need = 0
+    def shortage(self) -> Shortage | None:
+        """Before `schedule`: the blocks this step's running sequences need beyond the free ones (None: they fit).
+        The engine may compress them now (compress before preempting); `schedule` preempts for what is still short."""
+        if not self.running:
+            return None
+        need, budget = 0, self.config.max_num_batched_tokens
         for seq in self.running:
             if budget <= 0:
                 break
@@ -272,8 +230,7 @@ class Scheduler:
             need += self.kv.blocks_needed(seq, n)
             budget -= n
         short = need - self.kv.num_free_blocks
-        if short > 0:
-            self.reclaim(self.running, short)
+        return Shortage(short, list(self.running)) if short > 0 else None
 
     def _victim(self, i: int) -> Sequence:
         """Among the running sequences not yet scheduled this step (index >= i, the asking one included)."""

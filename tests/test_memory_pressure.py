@@ -21,11 +21,25 @@ KARA = {"method": "kara", "window": 16, "buffer": 4, "ratio": 0.25, "chunk_max":
         "compression_period": 12}
 
 
+class ReclaimingScheduler(Scheduler):
+    """What the engine's compression step does before each schedule: compress the scheduler's shortage away."""
+
+    def __init__(self, *args, stage: CompressionStage, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stage = stage
+
+    def schedule(self):
+        short = self.shortage()
+        if short is not None:
+            self.stage.reclaim(short.candidates, self.kv, None, short.blocks)
+        return super().schedule()
+
+
 def setup(num_blocks, reclaim=True, **cfg):
     kv = KVCacheManager(KVCache(1, num_blocks, BS, 1, 2, torch.float32), enable_prefix_caching=False)
     stage = CompressionStage()
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, preemption_mode="recompute", **cfg), kv,
-                      reclaim=(lambda running, want: stage.reclaim(running, kv, None, want)) if reclaim else None)
+    config = SchedulerConfig(max_num_batched_tokens=64, preemption_mode="recompute", **cfg)
+    sched = ReclaimingScheduler(config, kv, stage=stage) if reclaim else Scheduler(config, kv)
     return sched, kv, stage
 
 

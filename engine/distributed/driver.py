@@ -8,8 +8,8 @@ design of nano-vllm and vLLM. Tensors (the all-reduces inside the model, the log
 device group: nccl on CUDA, gloo on CPU.
 
 Three hooks connect it to the single-process engine, which otherwise does not change:
-- `ModelRunner.on_plan`: each step's `ForwardPlan` goes to the workers before rank 0 runs it;
-- `CompressionStage.round_hook`: each compression round goes to the workers before rank 0 runs it (every rank runs
+- `ModelRunner(on_plan=...)`: each step's `ForwardPlan` goes to the workers before rank 0 runs it;
+- `CompressionStage(round_hook=...)`: each compression round goes to the workers before rank 0 runs it (every rank runs
   the same stage code on its own KV heads; the kept count is uniform per (layer, KV head), so the new KV lengths,
   and so the block tables, are the same on every rank and only rank 0's pool frees blocks);
 - `DriverKVCacheManager`: rank 0's KV manager, which also records the block copies of swap preemption and the
@@ -222,11 +222,10 @@ class TPDriver:
             if err is not None:
                 raise RuntimeError(f"tensor-parallel worker rank {rank} could not {what}:\n{err}")
 
-    def attach(self, runner, stage, kv: DriverKVCacheManager) -> None:
-        """Connect the engine's model runner, compression stage and KV manager to the workers."""
+    def attach(self, kv: DriverKVCacheManager) -> None:
+        """The engine's KV manager, whose block copies and compactions each message carries to the workers (the
+        model runner and the compression stage were built with `on_plan` and `on_round`)."""
         self.kv = kv
-        runner.on_plan = self.on_plan
-        stage.round_hook = self.on_round
 
     # -- messages -----------------------------------------------------------------------------------------
     def _announce(self, seq) -> P.NewSequence:
