@@ -48,7 +48,6 @@ class Sequence(Protocol):
     kv_len: int
     compression: CompressionState | None
     scoring: Any
-    kv_frozen: bool  # unverified slots in its cache (lossless drafts): not compressible now
 
     @property
     def num_pending_tokens(self) -> int: ...
@@ -171,8 +170,8 @@ class CompressionStage:
     # -- the hook -----------------------------------------------------------------------------------------
     @staticmethod
     def _ready(seq: Sequence) -> bool:
-        """Compression on, no unverified slot in its cache (lossless drafts), not in the middle of its prefill."""
-        return (seq.compression is not None and not seq.kv_frozen
+        """Compression on and not paused (unverified lossless drafts in its cache), not in the middle of its prefill."""
+        return (seq.compression is not None and not seq.compression.paused
                 and (seq.num_pending_tokens <= 1 or (seq.scoring is not None and seq.scoring.decode_like)))
 
     def after_step(self, running: list[Sequence], kv: KVManager, queries: QueryFn) -> list[tuple[Any, BaseException]]:

@@ -101,6 +101,9 @@ class CompressionState:
     slot_entropy: torch.Tensor | None = None
     slot_entropy_pos: int = 0
     max_tail: int | None = None  # the engine's max_model_len: no tail is longer (bounds what is sized from config)
+    # Held by another stage of the engine (lossless mode, while unverified slots sit in the cache): no round may read
+    # or rewrite the cache and no query of the step's tokens is kept until it resumes.
+    paused: bool = False
 
     #: the frontier: what a tensor-parallel worker needs of rank 0's state to run the same round
     FRONTIER = ("start", "compressed_tokens", "compressed_kv_len", "last_round_at", "pending", "ever_compressed",
@@ -123,9 +126,15 @@ class CompressionState:
         """Keep the post-RoPE queries [L, n, Hq, D] of positions [first, first + n) computed by a step."""
         self.queries.store(first, q)
 
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
     def capture_from(self, start: int) -> int | None:
         """The first position of a step's tokens (starting at `start`) whose queries to keep, or None."""
-        return max(start, self.start) if self.queries is not None else None
+        return max(start, self.start) if self.queries is not None and not self.paused else None
 
     def protected_tokens(self) -> int:
         """Leading tokens compaction never rewrites (the prefix cache may share their blocks)."""

@@ -123,7 +123,7 @@ class EngineCore:
                             admission_optimism=config.admission_optimism,
                             projected_output_len=config.projected_output_len, max_model_len=self.max_model_len,
                             preemption_mode=config.preemption_mode),
-            self.kv, verifier=self.lossless, stats=self.counters)
+            self.kv, external=self.lossless, stats=self.counters)
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.counters,
                                       self.structured, finish=self.scheduler.finish)
         # the optional stages of every step, in order (lossless drafts start before a round may reclaim blocks)

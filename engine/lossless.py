@@ -78,10 +78,11 @@ def accept(drafts: list[int], target: torch.Tensor, draft_probs: list[torch.Tens
 
 
 class LosslessController:
-    """Owns lossless mode in the engine: each lossless sequence's `LosslessState`, its full tier in the host store,
-    when it drafts and when its drafts are verified. The scheduler sees it as a `Verifier` (engine/scheduler.py);
-    the compression stage sees only `Sequence.kv_frozen` (unverified slots in the cache) and the KV length (a
-    device cache that still holds every slot, `kv_len == num_computed_tokens`, is exact: nothing to verify)."""
+    """Owns lossless mode in the engine: each lossless sequence's `LosslessState`, its full tier (hosted by the KV
+    manager, `KVCacheManager.full_tier`), its drafts (fed to the model as the sequence's lookahead tokens), when it
+    drafts and when its drafts are verified. The scheduler sees it as `ExternalWork` (engine/scheduler.py: items
+    run outside the pool); compression sees a paused `CompressionState` while unverified slots sit in the cache, and
+    the KV length (a device cache that still holds every slot, `kv_len == num_computed_tokens`, is exact)."""
 
     def __init__(self, kv, runner, sampler, stats, max_model_len: int):
         self.kv, self.runner, self.sampler, self.stats = kv, runner, sampler, stats
@@ -108,15 +109,15 @@ class LosslessController:
                 f"{self._final_blocks(seqs[0]) * self.kv.block_size} tokens do not fit the host store ({host} "
                 f"blocks); raise lossless_host_memory or lower max_tokens", "kv_compression.lossless")
 
-    # -- the scheduler's Verifier -------------------------------------------------------------------------
+    # -- the scheduler's ExternalWork ----------------------------------------------------------------------
     def due(self, seq) -> int:
         ls = seq.lossless
-        if ls is None or ls.draft_kv_start < 0 or len(seq.draft_token_ids) < ls.target:
+        if ls is None or ls.draft_kv_start < 0 or len(seq.lookahead_token_ids) < ls.target:
             return 0
-        return len(seq.draft_token_ids) + 1  # [last committed token, drafts...]
+        return len(seq.lookahead_token_ids) + 1  # [last committed token, drafts...]
 
     def reserve(self, seq, num_tokens: int) -> bool:
-        return self.kv.full_reserve(seq, seq.full_len + num_tokens)
+        return self.kv.full_reserve(seq, self.kv.full_tier(seq).length + num_tokens)
 
     def admissible(self, seq, busy: bool) -> bool:
         """Its whole full tier must fit the host store now (alone it always fits: `attach` checked)."""
@@ -129,9 +130,9 @@ class LosslessController:
 
     def on_preempt(self, seq) -> None:
         if seq.lossless is not None:  # unverified drafts are dropped; the committed tokens stay
-            seq.draft_token_ids.clear()
+            seq.lookahead_token_ids.clear()
             seq.lossless.reset()
-            seq.kv_frozen = False
+            seq.compression.resume()
 
     # -- the step -----------------------------------------------------------------------------------------
     def before_schedule(self, running: list) -> None:
@@ -146,7 +147,7 @@ class LosslessController:
             room = self.max_model_len - seq.num_tokens
             ls.target = max(0, min(ls.horizon, remaining - 1, room - 1))
             ls.draft_kv_start = seq.kv_len
-            seq.kv_frozen = True
+            seq.compression.pause()  # unverified slots: no round may read or rewrite them, no query is kept
 
     def update_from_output(self, forward: list) -> list[tuple[Any, BaseException]]:
         """While a device cache is exact, mirror the step's new slots into the sequence's full tier."""
@@ -156,7 +157,8 @@ class LosslessController:
             if seq.lossless is None or seq.kv_len != seq.num_computed_tokens:
                 continue
             try:
-                if not self.kv.full_append_from_device(seq, seq.full_len, seq.kv_len - seq.full_len):
+                full_len = self.kv.full_tier(seq).length
+                if not self.kv.full_append_from_device(seq, full_len, seq.kv_len - full_len):
                     raise RuntimeError("the lossless full-KV host store is full; raise lossless_host_memory")
             except Exception as err:
                 failed.append((seq, err))
@@ -171,10 +173,10 @@ class LosslessController:
         for i in rows:
             seq, p = seqs[i], seqs[i].params
             row = logits[i:i + 1]
-            self.sampler.process(row, [seq], [seq.output_token_ids + seq.draft_token_ids])
+            self.sampler.process(row, [seq], [seq.output_token_ids + seq.lookahead_token_ids])
             q = sampling_probs(row, [p])[0]
             token = int(q.argmax()) if p.greedy else draw(q, seq.generator or self.sampler.default_generator)
-            seq.draft_token_ids.append(token)
+            seq.lookahead_token_ids.append(token)
             if not p.greedy:
                 seq.lossless.draft_probs.append(q)
             seq.lossless.drafted += 1
@@ -191,13 +193,14 @@ class LosslessController:
         if not seqs:
             return []
         t0 = time.perf_counter()
-        tables = [s.full_block_table for s in seqs]
+        tiers = [self.kv.full_tier(s) for s in seqs]
+        tables = [t.block_table for t in tiers]
         write_back = None
         if self.kv.kv_cache.data.device.type == "cpu":
             layers = self.kv.full_tier_layers()
         else:
             layers, tables, write_back = self.kv.stage_full(tables)
-        batch = [(s, [s.output_token_ids[-1]] + list(s.draft_token_ids), s.full_len) for s in seqs]
+        batch = [(s, [s.output_token_ids[-1]] + list(s.lookahead_token_ids), t.length) for s, t in zip(seqs, tiers)]
         capture = any(s.compression.caches_queries() for s in seqs)
         logits, queries = self.runner.verify(batch, layers, tables, capture)
         if write_back is not None:
@@ -231,8 +234,8 @@ class LosslessController:
         ls.adapt(len(drafts), k)
         kv_start = ls.draft_kv_start
         ls.reset()
-        seq.draft_token_ids.clear()
-        seq.kv_frozen = False
+        seq.lookahead_token_ids.clear()
+        seq.compression.resume()
         # the full tier keeps the last committed token and the accepted drafts, computed over the full cache
         self.kv.full_truncate(seq, start + 1 + k)
         if queries is not None and seq.compression.caches_queries():
@@ -271,7 +274,7 @@ class LosslessStep:
         return failed
 
     def after_step(self, sched: SchedulerOutput) -> Failures:
-        return tagged(self.controller.verify(sched.verify, self.output.append, self._restart),
+        return tagged(self.controller.verify(sched.external, self.output.append, self._restart),
                       "its lossless verification")
 
     def _restart(self, seq) -> None:

@@ -110,8 +110,8 @@ class ModelRunner:
             if item.completes_prefill:
                 plan.sample_rows.append(len(plan.input_ids) - 1)
                 ctx.sample_seqs.append(seq)
-            # (a lossless draft's queries come from its verification instead)
-            first = seq.compression.capture_from(start) if seq.compression is not None and not seq.kv_frozen else None
+            # (none while its compression is paused: a lossless draft's queries come from its verification instead)
+            first = seq.compression.capture_from(start) if seq.compression is not None else None
             if first is not None:
                 if first < start + n:
                     plan.capture_rows.extend(range(row0 + first - start, row0 + n))

@@ -77,17 +77,18 @@ class PreemptionCosts:
         return 2 * len(seq.block_table) * self.seconds_per_block  # out now, in later
 
 
-class Verifier(Protocol):
-    """Sequences whose next tokens are verified outside the pool (lossless mode: engine/lossless.py). The scheduler
-    gives them a verification item when one is due, and knows nothing else of them."""
-    def due(self, seq: Sequence) -> int: ...  # tokens of the verification item due now (0: none)
-    def reserve(self, seq: Sequence, num_tokens: int) -> bool: ...  # room outside the pool (False: restart it)
+class ExternalWork(Protocol):
+    """A step component that runs some sequences' next tokens outside the KV pool (lossless mode's verification:
+    engine/lossless.py). The scheduler gives such a sequence an `external` item when one is due, reserves nothing
+    in the pool for it, and knows nothing else of it."""
+    def due(self, seq: Sequence) -> int: ...  # tokens of the external item due now (0: none)
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool: ...  # its room outside the pool (False: restart it)
     def admissible(self, seq: Sequence, busy: bool) -> bool: ...  # may it start now (others running: busy)
     def swappable(self, seq: Sequence) -> bool: ...
-    def on_preempt(self, seq: Sequence) -> None: ...  # its KV is gone: drop what was not verified
+    def on_preempt(self, seq: Sequence) -> None: ...  # its KV is gone: drop what depended on it
 
 
-class _NoVerifier:
+class _NoExternalWork:
     def due(self, seq): return 0
     def reserve(self, seq, num_tokens): return True
     def admissible(self, seq, busy): return True
@@ -96,13 +97,13 @@ class _NoVerifier:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, verifier: Verifier | None = None,
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, external: ExternalWork | None = None,
                  stats: EngineStats | None = None):
         self.config = config
         self.kv = kv
         # the engine's counters it adds to: preemptions, swapped blocks, recomputed and prompt tokens
         self.stats = stats if stats is not None else EngineStats()
-        self.verifier = verifier or _NoVerifier()
+        self.external = external or _NoExternalWork()
         self.costs = PreemptionCosts()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -169,12 +170,12 @@ class Scheduler:
 
     def _schedule_running(self, seq: Sequence, i: int, budget: int, out: SchedulerOutput) -> ScheduledSeq | None:
         """This step's item of the running sequence at index i (None: it was preempted)."""
-        n = self.verifier.due(seq)
-        if n:  # its tokens are verified outside the pool
-            if not self.verifier.reserve(seq, n):
+        n = self.external.due(seq)
+        if n:  # its tokens run outside the pool
+            if not self.external.reserve(seq, n):
                 self.preempt(seq, out, swap=False)  # no room there: start over from the prompt
                 return None
-            return ScheduledSeq(seq, n, verify=True)
+            return ScheduledSeq(seq, n, external=True)
         n = self._chunk(seq, budget, seq.num_computed_tokens)
         while not self.kv.allocate_slots(seq, n):
             victim = self._victim(i)
@@ -240,7 +241,7 @@ class Scheduler:
 
     def _swaps(self, seq: Sequence) -> bool:
         mode = self.config.preemption_mode
-        if mode == "recompute" or not self.verifier.swappable(seq) or not self.kv.can_swap_out(seq):
+        if mode == "recompute" or not self.external.swappable(seq) or not self.kv.can_swap_out(seq):
             return False
         return mode == "swap" or self.costs.swap(seq) < self.costs.recompute(seq)
 
@@ -262,7 +263,7 @@ class Scheduler:
             seq.num_computed_tokens = 0
             if seq.compression is not None:
                 seq.compression.on_preempt()
-            self.verifier.on_preempt(seq)
+            self.external.on_preempt(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -283,7 +284,7 @@ class Scheduler:
         return cdiv(peak, self.kv.block_size)
 
     def _admissible(self, seq: Sequence) -> bool:
-        if not self.verifier.admissible(seq, busy=bool(self.running)):
+        if not self.external.admissible(seq, busy=bool(self.running)):
             return False
         if self.config.scheduling_policy == "fcfs" or not self.running:
             return True

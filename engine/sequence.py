@@ -63,9 +63,9 @@ class Sequence:
     index: int = 0  # position among the request's n completions
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     output_token_ids: list[int] = field(default_factory=list)
-    # Lossless mode: tokens drafted from the compressed cache, not yet verified against the full cache. They are
-    # fed to the model like outputs but never reach the output processor until verified.
-    draft_token_ids: list[int] = field(default_factory=list)
+    # Tokens after the outputs that the model runs before they are outputs (a step component's: lossless mode's
+    # drafts): counted in num_tokens and fed to the model, never output by the sequence itself.
+    lookahead_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     # Logical tokens already run through the model; the next token's RoPE position.
     num_computed_tokens: int = 0
@@ -74,9 +74,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     kv_len: int = 0
     host_block_table: list[int] = field(default_factory=list)  # swapped out: its KV in host memory
-    # Lossless mode: the full (never compressed) KV of the committed tokens, in logical order, in host memory.
-    full_block_table: list[int] = field(default_factory=list)
-    full_len: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request seed: sampling independent of the batch
@@ -88,10 +85,7 @@ class Sequence:
     first_scheduled_time: float | None = None  # time.monotonic() of the first admission
     scoring: ScoringState | None = None
     compression: CompressionState | None = None
-    lossless: LosslessState | None = None
-    # Unverified slots sit in the KV cache (a lossless draft): compression must neither read nor rewrite it, and no
-    # query of it is kept. Set and cleared by engine/lossless.py only.
-    kv_frozen: bool = False
+    lossless: LosslessState | None = None  # lossless mode's own record (engine/lossless.py)
     structured: GrammarState | None = None  # structured outputs: the grammar matcher (engine/structured.py)
     detok: DetokState = field(default_factory=DetokState)
 
@@ -110,8 +104,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Logical length: prompt + generated (+ drafts, in lossless mode)."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.draft_token_ids)
+        """Logical length: prompt + generated (+ lookahead tokens)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.lookahead_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -122,12 +116,12 @@ class Sequence:
         return len(self.output_token_ids)
 
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids + self.draft_token_ids
+        return self.prompt_token_ids + self.output_token_ids + self.lookahead_token_ids
 
     def token_slice(self, start: int, n: int) -> list[int]:
         """Token ids of logical positions [start, start + n) without concatenating the whole sequence."""
         p = self.num_prompt_tokens
-        if start >= p and not self.draft_token_ids:
+        if start >= p and not self.lookahead_token_ids:
             return self.output_token_ids[start - p:start - p + n]
         if start + n <= p:
             return self.prompt_token_ids[start:start + n]

@@ -36,7 +36,7 @@ class Shortage:
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # new tokens run this step, starting at seq.num_computed_tokens
-    verify: bool = False  # lossless: run [last committed token, drafts...] over the full tier instead
+    external: bool = False  # run by a step component outside the pool (lossless verification), not by the forward
 
     @property
     def completes_prefill(self) -> bool:
@@ -59,12 +59,13 @@ class SchedulerOutput:
 
     @property
     def forward(self) -> list[ScheduledSeq]:
-        """Items the model runs over the pool (everything but verification items)."""
-        return [x for x in self.scheduled if not x.verify and not x.seq.is_finished]
+        """Items the model runs over the pool (everything but external items)."""
+        return [x for x in self.scheduled if not x.external and not x.seq.is_finished]
 
     @property
-    def verify(self) -> list[Sequence]:
-        return [x.seq for x in self.scheduled if x.verify and not x.seq.is_finished]
+    def external(self) -> list[Sequence]:
+        """Sequences whose item a step component runs outside the pool."""
+        return [x.seq for x in self.scheduled if x.external and not x.seq.is_finished]
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)

@@ -15,6 +15,7 @@ compaction jobs it applies are its own `paging.compaction.CompactionRequest`.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence as Seq
 
 import torch
@@ -33,8 +34,6 @@ class PagedSequence(Protocol):
     block_table: list[int]  # owned here
     kv_len: int  # owned here
     host_block_table: list[int]  # owned here: swapped out
-    full_block_table: list[int]  # owned here: the lossless full tier
-    full_len: int  # owned here
 
     @property
     def num_prompt_tokens(self) -> int: ...
@@ -47,6 +46,13 @@ class PagedSequence(Protocol):
 
 
 Sequence = PagedSequence
+
+
+@dataclass
+class FullTier:
+    """A sequence's never-compressed KV in the host store, in logical order (lossless mode, engine/lossless.py)."""
+    block_table: list[int] = field(default_factory=list)
+    length: int = 0
 
 
 class KVCacheManager:
@@ -69,6 +75,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._keys: dict[int, list[int]] = {}  # seq_id -> keys of its cacheable prompt blocks
         self._registered: dict[int, int] = {}  # seq_id -> leading blocks of its table already offered to the cache
+        self._full: dict[int, FullTier] = {}  # seq_id -> its full tier (lossless mode), freed with it
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (vLLM counts tokens)
         self.prefix_hits = 0  # of which found cached
 
@@ -158,10 +165,9 @@ class KVCacheManager:
         if seq.host_block_table:
             self.host_pool.free(seq.host_block_table)
             seq.host_block_table = []
-        if seq.full_block_table:
-            self.host_pool.free(seq.full_block_table)
-            seq.full_block_table = []
-        seq.full_len = 0
+        tier = self._full.pop(seq.seq_id, None)
+        if tier is not None and tier.block_table:
+            self.host_pool.free(tier.block_table)
         seq.kv_len = 0
         self._registered.pop(seq.seq_id, None)
         if finished:
@@ -199,7 +205,17 @@ class KVCacheManager:
         self._registered[seq.seq_id] = len(dev)  # private copies: never offered to the prefix cache again
         return len(dev)
 
-    # -- lossless mode: the full-KV tier in host memory --------------------------------------------------
+    # -- a second, never compressed tier of a sequence's KV in the host store (lossless mode's full tier) --------
+    def full_tier(self, seq: "Sequence") -> FullTier:
+        """The sequence's full tier, to read (empty if it has none); it is freed with the sequence."""
+        return self._full.get(seq.seq_id) or FullTier()
+
+    def _own_tier(self, seq: "Sequence") -> FullTier:
+        tier = self._full.get(seq.seq_id)
+        if tier is None:
+            tier = self._full[seq.seq_id] = FullTier()
+        return tier
+
     def truncate(self, seq: "Sequence", new_kv_len: int) -> None:
         """Drop device slots past `new_kv_len` (rejected drafts) and the whole blocks after them."""
         if not 0 <= new_kv_len <= seq.kv_len:
@@ -223,20 +239,22 @@ class KVCacheManager:
 
     def full_reserve(self, seq: "Sequence", length: int) -> bool:
         """Host blocks for `length` full-tier slots; False (nothing changed) if the host store is short."""
-        need = -(-length // self.block_size) - len(seq.full_block_table)
+        tier = self._own_tier(seq)
+        need = -(-length // self.block_size) - len(tier.block_table)
         if need <= 0:
             return True
         if self.host_pool is None or need > self.host_pool.num_free:
             return False
-        seq.full_block_table.extend(self.host_pool.allocate(need))
+        tier.block_table.extend(self.host_pool.allocate(need))
         return True
 
     def full_truncate(self, seq: "Sequence", length: int) -> None:
-        seq.full_len = length
+        tier = self._own_tier(seq)
+        tier.length = length
         keep = -(-length // self.block_size)
-        if len(seq.full_block_table) > keep:
-            self.host_pool.free(seq.full_block_table[keep:])
-            del seq.full_block_table[keep:]
+        if len(tier.block_table) > keep:
+            self.host_pool.free(tier.block_table[keep:])
+            del tier.block_table[keep:]
 
     def _slots(self, table: list[int], start: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         p = torch.arange(start, start + n)
@@ -247,18 +265,19 @@ class KVCacheManager:
         """Copy device slots [device_start, +n) (exact K/V: nothing compressed yet) to the end of the full tier."""
         if n <= 0:
             return True
-        if not self.full_reserve(seq, seq.full_len + n):
+        tier = self._own_tier(seq)
+        if not self.full_reserve(seq, tier.length + n):
             return False
         db, do = self._slots(seq.block_table, device_start, n, self.kv_cache.data.device)
-        hb, ho = self._slots(seq.full_block_table, seq.full_len, n, "cpu")
+        hb, ho = self._slots(tier.block_table, tier.length, n, "cpu")
         self.host[:, hb, :, ho] = self.kv_cache.data[:, db, :, do].to("cpu")
-        seq.full_len += n
+        tier.length += n
         return True
 
     def device_from_full(self, seq: "Sequence", full_start: int, device_start: int, n: int) -> None:
         """Overwrite device slots [device_start, +n) with full-tier slots [full_start, +n) (verified K/V)."""
         dev = self.kv_cache.data.device
-        hb, ho = self._slots(seq.full_block_table, full_start, n, "cpu")
+        hb, ho = self._slots(self.full_tier(seq).block_table, full_start, n, "cpu")
         db, do = self._slots(seq.block_table, device_start, n, dev)
         self.kv_cache.data[:, db, :, do] = self.host[:, hb, :, ho].to(dev)
 
@@ -362,10 +381,12 @@ class KVCacheManager:
                 if self.pool.ref_counts[b] > 1 or self.pool.is_cached(b):
                     assert i < protected, f"{seq.request_id}: shared or cached block {b} past its protected prefix"
         host_refs = Counter(b for seq in waiting for b in seq.host_block_table)
-        host_refs.update(b for seq in (*running, *waiting) for b in seq.full_block_table)
-        for seq in (*running, *waiting):
-            assert len(seq.full_block_table) == -(-seq.full_len // self.block_size), (
-                f"{seq.request_id}: {len(seq.full_block_table)} full-tier blocks for {seq.full_len} slots")
+        live = {seq.seq_id: seq for seq in (*running, *waiting)}
+        assert set(self._full) <= set(live), f"full tiers of sequences no longer live: {set(self._full) - set(live)}"
+        for sid, tier in self._full.items():
+            host_refs.update(tier.block_table)
+            assert len(tier.block_table) == -(-tier.length // self.block_size), (
+                f"{live[sid].request_id}: {len(tier.block_table)} full-tier blocks for {tier.length} slots")
         for seq in waiting:
             assert not seq.block_table, f"waiting {seq.request_id} holds KV blocks"
             if seq.host_block_table:

@@ -46,10 +46,10 @@ def test_lossless_with_a_forced_preemption_and_logprobs(make_engine):
     for r in reqs:
         eng.add_request(r)
     seq = reqs[0].seqs[0]
-    while not seq.draft_token_ids:  # mid-draft
+    while not seq.lookahead_token_ids:  # mid-draft
         eng.step()
     eng.core.scheduler.preempt(seq, swap=False)
-    assert seq.full_block_table == [] and seq.draft_token_ids == []
+    assert eng.core.kv.full_tier(seq).block_table == [] and seq.lookahead_token_ids == []
     while eng.has_unfinished_requests():
         eng.step()
     assert [r.final.outputs[0].token_ids for r in reqs] == tokens(ref)
@@ -73,7 +73,7 @@ def test_lossless_admits_more_sequences_than_the_pool_holds_uncompressed(make_en
         eng.step()
         st = eng.stats()
         peak_running = max(peak_running, st.num_running)
-        peak_host = max(peak_host, sum(s.full_len for r in reqs for s in r.seqs))
+        peak_host = max(peak_host, sum(eng.core.kv.full_tier(s).length for r in reqs for s in r.seqs))
     assert [r.final.outputs[0].token_ids for r in reqs] == tokens(ref)
     assert peak_running == 4 and peak_host > 64 * 4  # more full KV than the device pool could hold
 

@@ -53,7 +53,6 @@ class _SeqView:
     compression: Any
     tokens: list[int]
     scoring: Any = None
-    kv_frozen: bool = False  # rank 0 sends only rounds over sequences it may compress
 
     def token_slice(self, start: int, n: int) -> list[int]:
         ids = self.tokens[start:start + n]
