@@ -289,11 +289,11 @@ def passage_kept_fraction(engine, trials: list[Trial], methods: Sequence[str], r
     """Diagnostic: the share of the planted passage's KV slots each window method keeps when the passage's window
     is compressed, averaged over layers, KV heads and trials (see `first_window_selections`)."""
     sels = first_window_selections(engine, trials, methods, ratios, window)
-    return {key: sum(_passage_stats(sel, t.passage)[0] for sel, t in zip(v, trials)) / len(trials)
+    return {key: sum(passage_stats(sel, t.passage)[0] for sel, t in zip(v, trials)) / len(trials)
             for key, v in sels.items()}
 
 
-def _passage_stats(sel: torch.Tensor, passage: tuple[int, int]) -> tuple[float, float]:
+def passage_stats(sel: torch.Tensor, passage: tuple[int, int]) -> tuple[float, float]:
     """(share of passage slots kept over all layers and KV heads, share of passage tokens kept by at least one
     KV head of a layer, averaged over layers)."""
     L, hkv, _ = sel.shape
@@ -316,7 +316,7 @@ def diagnose(engine, trials: list[Trial], methods: Sequence[str], ratios: Sequen
     lines = ["| method | r | kept per window | passage slots kept (mean) | min..max over trials "
              "| passage tokens kept by >= 1 KV head of a layer |", "|---|---:|---:|---:|---:|---:|"]
     for (m, r), v in sels.items():
-        stats = [_passage_stats(sel, t.passage) for sel, t in zip(v, trials)]
+        stats = [passage_stats(sel, t.passage) for sel, t in zip(v, trials)]
         shares = [a for a, _ in stats]
         lines.append(f"| {LABELS.get(m, m)} | {r:g} | {v[0].shape[-1]}/{n} ({v[0].shape[-1] / n:.1%}) "
                      f"| {sum(shares) / len(shares):.1%} | {min(shares):.1%}..{max(shares):.1%} "
