@@ -86,3 +86,47 @@ def test_detector_sees_each_form():
         "bench.pareto._units", "common._x", "from bench.compression_quality import _passage_stats", "soak._free"]
     assert len(private_bench_uses("from .client import _run\n", "bench/serve_client/cli.py")) == 1
     assert private_bench_uses("from bench.common import write_section\nfrom x import _y\nimport os\nos._exit\n") == []
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def bench_import_graph() -> dict[str, set[str]]:
+    """bench module -> the bench modules it imports anywhere in its file (function-local imports included: a
+    cycle hidden in a function is still a cycle)."""
+    modules = {_module_name(p): p for p in (ROOT / "bench").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            deps.update(t for t in targets if t in modules and t != name and not name.startswith(t + "."))
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_cycle_in_bench():
+    graph = bench_import_graph()
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join(stack[stack.index(dep):] + [node, dep]) if dep in stack
+                              else f"{node} -> {dep}")
+            elif dep not in state:
+                visit(dep, stack + [node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    assert not cycles, "import cycles among bench modules:\n" + "\n".join(cycles)
