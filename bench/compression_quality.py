@@ -54,7 +54,7 @@ from typing import Any, Sequence
 
 import torch
 
-from bench.common import DOCS, write_section
+from bench.common import DOCS, RESULTS, write_section
 from compression import KVCompressionConfig
 from bench.quality_cases import (DEFAULT_WINDOW, METHODS, PASSAGE_MODULES, Trial, equal_kv_ratio,  # noqa: F401
                                  make_trials, method_config, passages, spread_leads, synthetic_trials)
@@ -62,6 +62,7 @@ from bench.quality_report import LABELS, MethodResult, plot, reading, tables  # 
 from compression.base import WindowBatch, as_selection
 
 PLOT = DOCS.parent / "compression_quality.png"
+SECTIONS = RESULTS / "compression_quality.md"  # where both sections live (the plot stays beside benchmarks.md)
 
 
 # ----------------------------------------------------------------------------------------------- scoring
@@ -358,7 +359,7 @@ def main() -> None:
                     help="torch threads (default 1: on a shared 2-core machine 2 OpenMP threads are far slower)")
     ap.add_argument("--diagnose", action="store_true",
                     help="only the cheap selection diagnostic (first window of each trial; no NLL runs)")
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md and the plot")
+    ap.add_argument("--no-write", action="store_true", help="do not update docs/results/compression_quality.md and the plot")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -398,7 +399,7 @@ def main() -> None:
         print(body)
         if not args.no_write:
             cmd = "python -m bench.compression_quality " + " ".join(sys.argv[1:])
-            write_section("Compression quality: which slots each method keeps (SmolLM2)", cmd.strip(), body)
+            write_section("Compression quality: which slots each method keeps (SmolLM2)", cmd.strip(), body, SECTIONS)
         return
     say = lambda msg: print(f"[{time.perf_counter() - t_start:6.0f} s] {msg}", file=sys.stderr, flush=True)  # noqa
     results = evaluate(engine, trials, methods, args.ratio, DEFAULT_WINDOW, batch_seqs=args.batch_seqs,
@@ -411,7 +412,7 @@ def main() -> None:
     total = time.perf_counter() - t_start
     notes = [
         "",
-        f"![recall NLL vs kept fraction]({PLOT.name})",
+        f"![recall NLL vs kept fraction](../{PLOT.name})",
         "",
         f"SmolLM2-135M-Instruct (GGUF dequantized, float32, CPU, {args.threads} thread). {args.trials} trials, each "
         f"one sequence: {ctx_len}-token context (never compressed) + {cont_len}-token continuation = {lead_text}, "
@@ -451,7 +452,7 @@ def main() -> None:
     if not args.no_write:
         plot(results, PLOT)
         cmd = "python -m bench.compression_quality " + " ".join(sys.argv[1:])
-        write_section("Compression quality (teacher-forced NLL, SmolLM2)", cmd.strip(), body)
+        write_section("Compression quality (teacher-forced NLL, SmolLM2)", cmd.strip(), body, SECTIONS)
 
 
 if __name__ == "__main__":

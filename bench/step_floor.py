@@ -236,10 +236,10 @@ def main() -> None:
         f"DRAM reads). {time.time() - t0:.0f} s.")
     print(body)
     if not args.no_write:
-        from bench.common import write_section
+        from bench.common import RESULTS, write_section
 
         write_section("Decode step against its floors (the vs_vllm decode batches)",
-                      "python -m bench.step_floor " + " ".join(sys.argv[1:]), body)
+                      "python -m bench.step_floor " + " ".join(sys.argv[1:]), body, RESULTS / "offline_throughput.md")
 
 
 if __name__ == "__main__":
