@@ -10,6 +10,8 @@ from pathlib import Path
 
 LICENSES = "/usr/share/common-licenses"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+#: docs/results/: the comparisons behind the headline ones (one markdown file per topic) and earlier runs
+RESULTS = DOCS.parent / "results"
 
 
 def real_text() -> str:
@@ -98,10 +100,11 @@ def machine() -> str:
     return f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
-def write_section(title: str, command: str, body: str) -> None:
-    """Replace (or append) the `## title` section of docs/benchmarks.md."""
-    DOCS.parent.mkdir(exist_ok=True)
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n\nEvery table is written by the script named in its command line.\n"
+def write_section(title: str, command: str, body: str, path: Path = DOCS) -> None:
+    """Replace (or append) the `## title` section of `path`: docs/benchmarks.md for the headline comparisons, a
+    file under docs/results/ for the others (so that a rerun replaces its section wherever the section lives)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nEvery table is written by the script named in its command line.\n"
     stamp = datetime.date.today().isoformat()
     section = f"## {title}\n\n`{command}` ({stamp}, {machine()})\n\n{body.strip()}\n"
     marker = f"## {title}\n"
@@ -112,4 +115,4 @@ def write_section(title: str, command: str, body: str) -> None:
         text = head + section + ("\n" + tail if tail else "")
     else:
         text = text.rstrip() + "\n\n" + section
-    DOCS.write_text(text)
+    path.write_text(text)

@@ -54,7 +54,7 @@ from typing import Any, Sequence
 
 import torch
 
-from bench.common import DOCS, write_section
+from bench.common import DOCS, RESULTS, write_section
 from compression import KVCompressionConfig
 from bench.quality_cases import (DEFAULT_WINDOW, METHODS, PASSAGE_MODULES, Trial, equal_kv_ratio,  # noqa: F401
                                  make_trials, method_config, passages, spread_leads, synthetic_trials)
@@ -62,6 +62,7 @@ from bench.quality_report import LABELS, MethodResult, plot, reading, tables  # 
 from compression.base import WindowBatch, as_selection
 
 PLOT = DOCS.parent / "compression_quality.png"
+SECTIONS = RESULTS / "compression_quality.md"  # where both sections live (the plot stays beside benchmarks.md)
 
 
 # ----------------------------------------------------------------------------------------------- scoring
@@ -289,11 +290,11 @@ def passage_kept_fraction(engine, trials: list[Trial], methods: Sequence[str], r
     """Diagnostic: the share of the planted passage's KV slots each window method keeps when the passage's window
     is compressed, averaged over layers, KV heads and trials (see `first_window_selections`)."""
     sels = first_window_selections(engine, trials, methods, ratios, window)
-    return {key: sum(_passage_stats(sel, t.passage)[0] for sel, t in zip(v, trials)) / len(trials)
+    return {key: sum(passage_stats(sel, t.passage)[0] for sel, t in zip(v, trials)) / len(trials)
             for key, v in sels.items()}
 
 
-def _passage_stats(sel: torch.Tensor, passage: tuple[int, int]) -> tuple[float, float]:
+def passage_stats(sel: torch.Tensor, passage: tuple[int, int]) -> tuple[float, float]:
     """(share of passage slots kept over all layers and KV heads, share of passage tokens kept by at least one
     KV head of a layer, averaged over layers)."""
     L, hkv, _ = sel.shape
@@ -316,7 +317,7 @@ def diagnose(engine, trials: list[Trial], methods: Sequence[str], ratios: Sequen
     lines = ["| method | r | kept per window | passage slots kept (mean) | min..max over trials "
              "| passage tokens kept by >= 1 KV head of a layer |", "|---|---:|---:|---:|---:|---:|"]
     for (m, r), v in sels.items():
-        stats = [_passage_stats(sel, t.passage) for sel, t in zip(v, trials)]
+        stats = [passage_stats(sel, t.passage) for sel, t in zip(v, trials)]
         shares = [a for a, _ in stats]
         lines.append(f"| {LABELS.get(m, m)} | {r:g} | {v[0].shape[-1]}/{n} ({v[0].shape[-1] / n:.1%}) "
                      f"| {sum(shares) / len(shares):.1%} | {min(shares):.1%}..{max(shares):.1%} "
@@ -358,7 +359,7 @@ def main() -> None:
                     help="torch threads (default 1: on a shared 2-core machine 2 OpenMP threads are far slower)")
     ap.add_argument("--diagnose", action="store_true",
                     help="only the cheap selection diagnostic (first window of each trial; no NLL runs)")
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md and the plot")
+    ap.add_argument("--no-write", action="store_true", help="do not update docs/results/compression_quality.md and the plot")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -398,7 +399,7 @@ def main() -> None:
         print(body)
         if not args.no_write:
             cmd = "python -m bench.compression_quality " + " ".join(sys.argv[1:])
-            write_section("Compression quality: which slots each method keeps (SmolLM2)", cmd.strip(), body)
+            write_section("Compression quality: which slots each method keeps (SmolLM2)", cmd.strip(), body, SECTIONS)
         return
     say = lambda msg: print(f"[{time.perf_counter() - t_start:6.0f} s] {msg}", file=sys.stderr, flush=True)  # noqa
     results = evaluate(engine, trials, methods, args.ratio, DEFAULT_WINDOW, batch_seqs=args.batch_seqs,
@@ -411,7 +412,7 @@ def main() -> None:
     total = time.perf_counter() - t_start
     notes = [
         "",
-        f"![recall NLL vs kept fraction]({PLOT.name})",
+        f"![recall NLL vs kept fraction](../{PLOT.name})",
         "",
         f"SmolLM2-135M-Instruct (GGUF dequantized, float32, CPU, {args.threads} thread). {args.trials} trials, each "
         f"one sequence: {ctx_len}-token context (never compressed) + {cont_len}-token continuation = {lead_text}, "
@@ -451,7 +452,7 @@ def main() -> None:
     if not args.no_write:
         plot(results, PLOT)
         cmd = "python -m bench.compression_quality " + " ".join(sys.argv[1:])
-        write_section("Compression quality (teacher-forced NLL, SmolLM2)", cmd.strip(), body)
+        write_section("Compression quality (teacher-forced NLL, SmolLM2)", cmd.strip(), body, SECTIONS)
 
 
 if __name__ == "__main__":

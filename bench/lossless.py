@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from bench.common import run_requests, text_prompts, write_section
+from bench.common import RESULTS, run_requests, text_prompts, write_section
 from engine import Engine, SamplingParams
 
 
@@ -92,7 +92,7 @@ def main() -> None:
     print(body)
     if not args.no_write:
         write_section("Lossless mode (draft from the compressed cache, verify against the full cache)",
-                      "python -m bench.lossless " + " ".join(sys.argv[1:]), body)
+                      "python -m bench.lossless " + " ".join(sys.argv[1:]), body, RESULTS / "lossless.md")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ THREADS = configure_threads(1, wait_policy=WAIT_POLICY)
 
 import torch  # noqa: E402
 
-from bench.common import median, run_requests, text_prompts, timed, write_section  # noqa: E402
+from bench.common import DOCS, RESULTS, median, run_requests, text_prompts, timed, write_section  # noqa: E402
 from engine import Engine, SamplingParams  # noqa: E402
 from engine.config import parse_dtype  # noqa: E402
 
@@ -243,7 +243,7 @@ def main() -> None:
         print(body)
         if not args.no_write:
             write_section("Prefix caching (shared system prompt)", "python -m bench.offline_throughput "
-                          + " ".join(sys.argv[1:]), body)
+                          + " ".join(sys.argv[1:]), body, RESULTS / "offline_throughput.md")
         return
 
     names = args.engines.split(",")
@@ -329,7 +329,8 @@ def main() -> None:
                  else "Offline throughput (kvllm vs HF transformers)")
         if args.probe_only and dname != "float32":  # another dtype's probe keeps the float32 table
             title = f"Decode step vs its GEMM floor, {dname}"
-        write_section(title, cmd.strip(), body)
+        # the probe is a diagnosis behind the headline table: its sections live under docs/results/
+        write_section(title, cmd.strip(), body, RESULTS / "offline_throughput.md" if args.probe_only else DOCS)
 
 
 if __name__ == "__main__":

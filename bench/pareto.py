@@ -36,18 +36,12 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
-from bench.pareto_runs import METHODS, Setting, default_setting
+from bench.pareto_report import ample_candidates, records_from_json, records_json, report, use_cpu_clock
+from bench.pareto_runs import METHODS, settings_for
 
 SECTION = "Throughput vs quality: the Pareto front of compression settings"
 QUICK = dict(windows=[128], ratios=[0.2, 0.5], methods=["kara", "keydiff", "kara_lossless"], trials=1,
              with_default=False, ample_for="front")
-
-
-def settings_for(args) -> list[Setting]:
-    out = [Setting(m, w, r) for w in args.windows for r in args.ratios for m in args.methods]
-    if args.with_default:
-        out.append(default_setting())
-    return out
 
 
 def output_len(args, window: int) -> int:
@@ -81,8 +75,6 @@ def ample_units(args, quality: dict, runs: list[dict]) -> list[tuple]:
     the fronts of the pressured pools, the best within the quality bound, the engine default)."""
     if "ample" not in args.pools or args.ample_for == "all":
         return []
-    from bench.pareto_report import ample_candidates, use_cpu_clock
-
     runs = use_cpu_clock(runs) if args.clock == "cpu" else runs  # pick by the ratios the report will show
     return _groups(ample_candidates(settings_for(args), quality, runs, [p for p in args.pools if p != "ample"]),
                    ["ample"])
@@ -206,14 +198,11 @@ def main() -> None:
             setattr(args, k, v)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by the workers, whose OpenMP starts fresh
-    from bench.pareto_report import report
 
     t0 = time.perf_counter()
     # the command that reproduces the numbers: the sweep's own flags, without the output-only ones
     command = "python -m bench.pareto " + " ".join(_sweep_argv(sys.argv[1:]))
     if args.from_json:
-        from bench.pareto_report import records_from_json
-
         with open(args.from_json) as f:
             saved = json.load(f)
         quality, runs, seconds = records_from_json(saved)
@@ -227,8 +216,6 @@ def main() -> None:
     body, _ = report(args, quality, runs, seconds, total, write_plots=not args.no_write)
     print(body)
     if args.json:
-        from bench.pareto_report import records_json
-
         with open(args.json, "w") as f:
             json.dump({**records_json(quality, runs, seconds), "total": total, "command": command}, f, indent=1)
     if not args.no_write:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from bench.common import DOCS
 from bench.pareto_front import Point, best_within, cost_bound, pareto_front
-from bench.pareto_runs import LABELS
+from bench.pareto_runs import LABELS, Setting, settings_for
 
 #: Acceptance targets of issue 28 per pool: the best setting at <= 1% text-NLL cost vs none on the same pool.
 TARGETS = {"2": 1.4, "4": 1.25, "ample": 0.98}
@@ -334,8 +334,6 @@ def notes(args, runs: list[dict]) -> str:
 
 def report(args, quality: dict, runs: list[dict], seconds: dict, total: float, write_plots: bool = True):
     """The section's body (tables, plot links, reading, notes, timings) and the plot paths."""
-    from bench.pareto import settings_for
-
     settings = settings_for(args)
     pools = [str(p) for p in args.pools]
     if getattr(args, "clock", "wall") == "cpu":
@@ -369,8 +367,6 @@ def records_json(quality: dict, runs: list[dict], seconds: dict) -> dict:
 
 
 def records_from_json(d: dict) -> tuple[dict, list[dict], dict]:
-    from bench.pareto_runs import Setting
-
     def key(text: str) -> tuple:
         m, w, r = text.split("|")
         return (m, int(w), float(r))

@@ -74,6 +74,15 @@ def default_setting() -> Setting:
     return Setting("kara_default", cfg.window, cfg.ratio)
 
 
+def settings_for(args) -> list[Setting]:
+    """The sweep's grid (method x |W| x r, then the engine default with --with-default). Here rather than in the
+    runner (bench/pareto.py) because the report needs it too, and the runner imports the report."""
+    out = [Setting(m, w, r) for w in args.windows for r in args.ratios for m in args.methods]
+    if args.with_default:
+        out.append(default_setting())
+    return out
+
+
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
     """Tokens the two outputs share before they first differ (the common length if one is a prefix)."""
     for i, (x, y) in enumerate(zip(a, b)):

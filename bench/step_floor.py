@@ -12,6 +12,9 @@ the measurement behind the vs_vllm reading's "which term holds a row back".
 Rates, measured in the same interpreter right before the rows: the faster of the packed GEMM and torch's (MKL) on
 the model's gate/up projection at 2048 rows (the rate a prefill chunk gets), and one long read of a 1 GiB tensor
 (torch sum). Each thread count runs in its own interpreter (OpenMP reads its wait policy when torch loads).
+
+The one profiling tool kept in bench/ (the other single-question scripts were retired; their readings are in
+docs/results/cpu_kernels.md): it writes its section to docs/results/offline_throughput.md.
 """
 from __future__ import annotations
 
@@ -236,10 +239,10 @@ def main() -> None:
         f"DRAM reads). {time.time() - t0:.0f} s.")
     print(body)
     if not args.no_write:
-        from bench.common import write_section
+        from bench.common import RESULTS, write_section
 
         write_section("Decode step against its floors (the vs_vllm decode batches)",
-                      "python -m bench.step_floor " + " ".join(sys.argv[1:]), body)
+                      "python -m bench.step_floor " + " ".join(sys.argv[1:]), body, RESULTS / "offline_throughput.md")
 
 
 if __name__ == "__main__":

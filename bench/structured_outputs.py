@@ -26,7 +26,7 @@ configure_threads(1, wait_policy="passive")  # before torch loads (see bench/off
 
 import torch  # noqa: E402
 
-from bench.common import median, text_prompts, write_section  # noqa: E402
+from bench.common import RESULTS, median, text_prompts, write_section  # noqa: E402
 from engine import Engine, SamplingParams  # noqa: E402
 
 SCHEMA = {  # realistic: nested object, enum, bounded strings and arrays, a pattern, numbers, booleans
@@ -312,7 +312,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-libraries", action="store_true")
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--no-write", action="store_true", help="do not update docs/results/structured_outputs.md")
     args = ap.parse_args()
     configure_threads(args.threads, wait_policy="passive")
     t0 = time.perf_counter()
@@ -327,7 +327,8 @@ def main() -> None:
     print(body)
     if not args.no_write:
         write_section("Structured outputs (grammar library; decode cost at batch 32)",
-                      ("python -m bench.structured_outputs " + " ".join(sys.argv[1:])).strip(), body)
+                      ("python -m bench.structured_outputs " + " ".join(sys.argv[1:])).strip(), body,
+                      RESULTS / "structured_outputs.md")
     if ratio < 0.85:
         print(f"WARNING: structured decoding at {ratio:.3f}x of unconstrained, below the 0.85x target")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import text_prompts, write_section
+from bench.common import RESULTS, text_prompts, write_section
 from engine import Engine, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--serve-prompts", type=int, default=64)
     ap.add_argument("--serve-concurrency", type=int, default=16)
     ap.add_argument("--policy", default="round_robin", help="sglang-router policy")
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--no-write", action="store_true", help="do not update docs/results/parallelism.md")
     args = ap.parse_args()
     cores = os.cpu_count() or 1
     cmd = "python -m bench.tp_throughput " + " ".join(sys.argv[1:])
@@ -220,7 +220,7 @@ def main() -> None:
                     f"processes on {cores} cores):\n\n" + offline_table(smol, smol[0])
         print(body)
         if not args.no_write:
-            write_section("Tensor parallelism on CPU: TP=1 vs TP=2 offline throughput", cmd, body)
+            write_section("Tensor parallelism on CPU: TP=1 vs TP=2 offline throughput", cmd, body, RESULTS / "parallelism.md")
         if args.replicas:
             table, bench_out = replicas(args, work)
             rbody = (f"{table}\n\n`kvllm bench serve --num-prompts {args.serve_prompts} --max-concurrency "
@@ -231,7 +231,7 @@ def main() -> None:
                      f"router run's full table:\n\n```\n{bench_out}\n```")
             print(rbody)
             if not args.no_write:
-                write_section("Replicas behind sglang-router (kvllm bench serve)", cmd, rbody)
+                write_section("Replicas behind sglang-router (kvllm bench serve)", cmd, rbody, RESULTS / "parallelism.md")
 
 
 if __name__ == "__main__":

@@ -68,30 +68,6 @@ def _timed(fn):
     return out, time.perf_counter() - t0, cpu_delta(c0, tree_cpu())
 
 
-def start_profiler(spec: dict, tag: str):
-    """py-spy attached to this process tree for the timed workloads (bench/vs_vllm_profile.py), or None."""
-    prof = spec.get("profile")
-    if not prof:
-        return None
-    import subprocess
-
-    cmd = [prof["py_spy"], "record", "--pid", str(os.getpid()), "--subprocesses", "-r", str(prof.get("rate", 50)),
-           "-f", "raw", "-o", os.path.join(prof["out"], f"{tag}.txt")]
-    if prof.get("native"):
-        cmd.append("--native")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(2)  # attached before the first timed step
-    return proc
-
-
-def stop_profiler(proc) -> None:
-    if proc is not None:
-        import signal
-
-        proc.send_signal(signal.SIGINT)
-        proc.wait(120)
-
-
 def _result(name: str, runs: list[tuple[float, dict]], outs: list[list[int]], output_len: int) -> dict:
     """Output tok/s of the repeat with the median wall time (runs: (wall s, CPU s by process) of each repeat)."""
     tokens = sum(len(o) for o in outs)
@@ -127,14 +103,12 @@ def run_vllm(spec: dict) -> dict:
     generate(spec["warmup_prompts"], 8)
     warmup = time.perf_counter() - t0
     results = []
-    profiler = start_profiler(spec, f"vllm_t{threads}")
     for w in spec["workloads"]:
         runs = []
         for _ in range(spec.get("repeats", 1)):
             outs, wall, cpu = _timed(lambda: generate(w["prompts"], w["output_len"]))
             runs.append((wall, cpu))
         results.append(_result(w["name"], runs, outs, w["output_len"]))
-    stop_profiler(profiler)
     return {"engine": "vllm", "threads": threads, "startup_s": startup, "warmup_s": warmup, "workloads": results}
 
 
@@ -164,14 +138,12 @@ def run_kvllm(spec: dict) -> dict:
     generate(spec["warmup_prompts"], 8, "warm")
     warmup = time.perf_counter() - t0
     results = []
-    profiler = start_profiler(spec, f"kvllm_t{threads}")
     for w in spec["workloads"]:
         runs = []
         for i in range(spec.get("repeats", 1)):
             outs, wall, cpu = _timed(lambda: generate(w["prompts"], w["output_len"], f"{w['name']}-{i}"))
             runs.append((wall, cpu))
         results.append(_result(w["name"], runs, outs, w["output_len"]))
-    stop_profiler(profiler)
     return {"engine": "kvllm", "threads": threads, "startup_s": startup, "warmup_s": warmup, "workloads": results}
 
 

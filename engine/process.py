@@ -1,10 +1,11 @@
 """The engine in a process of its own: `ProcessEngine`, the front the HTTP server talks to when it serves with
-``--engine-process`` (the default of `kvllm serve`, as vLLM's engine core runs apart from its API server).
+``--engine-process`` (off by default: `kvllm serve` runs the engine loop in a thread beside the HTTP event loop,
+which measured faster on 2 cores, docs/results/engine_process.md; this is how vLLM's engine core runs apart from
+its API server).
 
 Why. In one process the engine loop and the HTTP event loop share the GIL: while a handler builds a JSON chunk, the
-loop waits for the GIL between two torch ops, and the OpenMP threads wait for the loop. Measured with vLLM's client
-at 2 threads, the one-process server kept ~1.1 of 2 cores busy (docs/benchmarks.md, "kvllm vs vLLM's CPU build").
-Here the child process owns the `Engine` (model, KV pool, step loop); the parent keeps only HTTP work.
+loop waits for the GIL between two torch ops, and the OpenMP threads wait for the loop; with more cores than the
+engine uses, a process of its own frees it from that. Here the child process owns the `Engine` (model, KV pool, step loop); the parent keeps only HTTP work.
 
 Protocol: one duplex pipe of pickled tuples. Parent to child: ``("new", call, prompt, params, request_id)`` (encode
 and validate in the child, answered with the token ids or the `InvalidRequestError`), ``("start", call)``,

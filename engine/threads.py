@@ -7,17 +7,17 @@
 Why. torch's CPU ops (and the GEMMs, and the C++ attention kernel, which runs on torch's own pool through
 at::parallel_for) share one GNU OpenMP pool, and a decode step is ~150 short parallel regions. How an idle worker
 waits for the next one decides what a second thread is worth:
-- libgomp's default spins ~300k times (milliseconds) before sleeping: on a 2-core machine where anything else runs
-  (the HTTP thread, the client, another process) a spinning worker takes the core the thread it waits for needs,
-  and steps collapsed 4-10x (tests/conftest.py pins one thread for this reason).
+- libgomp's default spins for milliseconds before sleeping: on a machine where anything else runs (the HTTP
+  thread, the client, another process) a spinning worker takes the core the thread it waits for needs, and steps
+  collapse (tests/conftest.py pins one thread for this reason).
 - OMP_WAIT_POLICY=PASSIVE sleeps at once: never collapses, but every region then wakes the worker through the
-  kernel, and on a VM that wake-up is tens of microseconds: a 16-sequence bfloat16 step ran no faster on 2 than 1.
-- PASSIVE with GOMP_SPINCOUNT=DEFAULT_SPIN_COUNT (the default here) spins ~80 us, long enough to catch the next
-  region of the same step, then sleeps (with more OpenMP threads than cores libgomp uses its shorter throttled
-  spin instead). Beside a busy process it costs what passive waiting saves: docs/benchmarks.md ("Threads: OpenMP
-  spin before sleep") has the step times at 0, 1500 and 3000 spins, quiet and busy. So it suits a process that
-  is only the engine; `kvllm serve` passes spin_count=None (server/cli.py), its HTTP loop and clients being the
-  busy neighbours. `export GOMP_SPINCOUNT=0` restores pure passive waiting anywhere.
+  kernel, and on a VM that wake-up is slow enough to eat what the second thread brings.
+- PASSIVE with GOMP_SPINCOUNT=DEFAULT_SPIN_COUNT (the default here) spins long enough to catch the next region of
+  the same step, then sleeps (with more OpenMP threads than cores libgomp uses its shorter throttled spin
+  instead). Beside a busy process it costs what passive waiting saves (docs/results/cpu_kernels.md, "Threads:
+  OpenMP spin before sleep"), so it suits a process that is only the engine; `kvllm serve` passes
+  spin_count=None (server/cli.py), its HTTP loop and clients being the busy neighbours. `export GOMP_SPINCOUNT=0`
+  restores pure passive waiting anywhere.
 
 libgomp reads OMP_WAIT_POLICY / GOMP_SPINCOUNT only when it is loaded, i.e. at `import torch`: set later they do
 nothing (checked with torch 2.13: the policy of a running process cannot be changed). So configure_threads()
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 logger = logging.getLogger("kvllm.threads")
 
 WAIT_POLICIES = ("passive", "active")
-# Spins before a passive worker sleeps (GOMP_SPINCOUNT): each is one PAUSE, ~80 us for all 1500 on the Zen 5 of
-# docs/benchmarks.md; enough to bridge the Python and small ops between two parallel regions of one step.
+# Spins before a passive worker sleeps (GOMP_SPINCOUNT), each one PAUSE: enough to bridge the Python and small ops
+# between two parallel regions of one step, short enough to give the core back soon after.
 DEFAULT_SPIN_COUNT = 1500
 
 

@@ -217,15 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub.required = True
     bserve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server (like `vllm bench serve`)",
                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_bench_args(bserve)
-    bserve.set_defaults(handler=_cmd_bench_serve)
+    add_bench_args(bserve)  # the options and the handler
     return parser
-
-
-def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    from bench.serve_client import main as bench_main
-
-    return bench_main(args)
 
 
 def _early_threads(argv: list[str]) -> None:

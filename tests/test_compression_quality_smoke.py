@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.compression_quality import (LABELS, METHODS, _passage_stats, diagnose, evaluate,  # noqa: E402
+from bench.compression_quality import (LABELS, METHODS, passage_stats, diagnose, evaluate,  # noqa: E402
                                        passage_kept_fraction, synthetic_trials, tables)
 from engine import SamplingParams  # noqa: E402
 
@@ -65,7 +65,7 @@ def test_core_returns_finite_nlls_and_none_matches_engine_score(make_engine, one
 
 def test_passage_stats():
     sel = torch.tensor([[[0, 2, 3, 7], [1, 2, 5, 6]]])  # L=1, 2 KV heads, passage = slots 2..5
-    share, union = _passage_stats(sel, (2, 6))
+    share, union = passage_stats(sel, (2, 6))
     assert share == 4 / 8  # head 0 keeps 2, 3; head 1 keeps 2, 5
     assert union == 3 / 4  # 2, 3, 5 kept by some head, 4 by none
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 
-from bench.serve_client.client import _run
+from bench.serve_client.client import run_load
 from bench.serve_client.dataset import get_samples, load_tokenizer
 from bench.serve_client.report import format_table, plot_results
 from bench.serve_client.stats import calculate_metrics
@@ -62,6 +62,9 @@ def _rate(text: str) -> float:
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """The load-test client's one entry for a command line: its options on `p`, and `main` as `p`'s handler
+    (`kvllm bench serve` is this parser; the server's CLI imports nothing else of bench)."""
+    p.set_defaults(handler=main)
     t = p.add_argument_group("target")
     t.add_argument("--base-url", default=None, help="server URL (default http://HOST:PORT)")
     t.add_argument("--host", default="127.0.0.1")
@@ -174,7 +177,7 @@ def run_benchmark(args: Any) -> dict[str, Any]:
             tokenizer = None
         return tokenizer, get_samples(args, tokenizer)
 
-    results, duration, model, (tokenizer, samples, chat) = asyncio.run(_run(args, base_url, samples_for))
+    results, duration, model, (tokenizer, samples, chat) = asyncio.run(run_load(args, base_url, samples_for))
     m = calculate_metrics(results, duration, tokenizer, percentiles)
     print(format_table(m, args, percentile_metrics, percentiles), flush=True)
 

@@ -185,7 +185,7 @@ async def _first_model(client, base_url: str, headers: dict[str, str]) -> str:
     return data[0]["id"]
 
 
-async def _run(args: argparse.Namespace, base_url: str, samples_fn) -> tuple[list[RequestResult], float, str, Any]:
+async def run_load(args: argparse.Namespace, base_url: str, samples_fn) -> tuple[list[RequestResult], float, str, Any]:
     import httpx
 
     headers = dict(args.headers)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.serve_client.stats import MS, _pword
+from bench.serve_client.stats import MS, percentile_word
 
 def format_table(m: dict[str, Any], args: argparse.Namespace, percentile_metrics: list[str],
                  percentiles: list[float]) -> str:
@@ -40,7 +40,7 @@ def format_table(m: dict[str, Any], args: argparse.Namespace, percentile_metrics
         row(f"Mean {name} (ms):", m[f"mean_{key}_ms"], "{:<10.2f}")
         row(f"Median {name} (ms):", m[f"median_{key}_ms"], "{:<10.2f}")
         for p in percentiles:
-            row(f"P{_pword(p)} {name} (ms):", m[f"p{_pword(p)}_{key}_ms"], "{:<10.2f}")
+            row(f"P{percentile_word(p)} {name} (ms):", m[f"p{percentile_word(p)}_{key}_ms"], "{:<10.2f}")
     lines.append("=" * 50)
     if m["failure_reasons"]:
         lines.append("Failed requests by reason:")

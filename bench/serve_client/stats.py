@@ -18,11 +18,11 @@ def _stats(values: list[float], percentiles: list[float]) -> dict[str, Any]:
     arr = np.asarray(values if values else [0.0], dtype=float) * MS
     out = {"mean": float(arr.mean()), "median": float(np.median(arr)), "std": float(arr.std())}
     for p in percentiles:
-        out[f"p{_pword(p)}"] = float(np.percentile(arr, p))
+        out[f"p{percentile_word(p)}"] = float(np.percentile(arr, p))
     return out
 
 
-def _pword(p: float) -> str:
+def percentile_word(p: float) -> str:
     return str(int(p)) if int(p) == p else str(p)
 
 
@@ -97,7 +97,7 @@ def calculate_metrics(results: list[RequestResult], duration: float, tokenizer, 
         m[f"median_{name}_ms"] = st["median"]
         m[f"std_{name}_ms"] = st["std"]
         for p in percentiles:
-            m[f"p{_pword(p)}_{name}_ms"] = st[f"p{_pword(p)}"]
+            m[f"p{percentile_word(p)}_{name}_ms"] = st[f"p{percentile_word(p)}"]
     m["output_lens"] = output_lens
     m["failure_reasons"] = dict(Counter(failure_reason(r.error) for r in results if not r.success))
     return m

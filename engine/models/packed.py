@@ -4,12 +4,11 @@ multiplied by the micro-kernels of csrc/kvllm_cpu.cpp (torch.ops.kvllm_cpu.packe
 AVX2 tile, or on CPUs with AVX-512F an 8-row x 3-panel tile (one zmm per panel row, each panel streamed with a
 software prefetch ahead), picked at run time.
 
-Why: on AVX2-only CPUs MKL's sgemm runs the decode shapes of a small model (M <= 64 rows, K = hidden or
-intermediate size) well below the core's FMA peak, and these GEMMs are most of a decode step. The same
-6 x 16 register tile as the int8 kernel (engine/models/quant.py), on float panels read in place, is faster at
-every batch size measured, and on an AVX-512 core (AMD Zen 5) the AVX-512 tile beats MKL's sgemm there too
-(docs/benchmarks.md, "Packed float32 GEMM"). Same dtype, same math, a different summation order: results
-differ from F.linear by float32 rounding only (tests/test_packed_linear.py).
+Why: MKL's sgemm runs the decode shapes of a small model (M <= 64 rows, K = hidden or intermediate size) well
+below the core's FMA peak, and these GEMMs are most of a decode step; a register tile over panels read in place
+(the int8 kernel's, engine/models/quant.py) keeps the FMA units busy at those shapes (docs/results/cpu_kernels.md,
+"Packed float32 GEMM vs torch (MKL)"). Same dtype, same math, a different summation order: results differ from
+F.linear by float32 rounding only (tests/test_packed_linear.py).
 
 Engine use: EngineConfig.gemm_backend ('auto' packs on a CPU with AVX2, AVX-512 CPUs included, when the model is
 float32, unsharded and not quantized; a model loaded from a .gguf file gets engine/models/gguf_linear.py's

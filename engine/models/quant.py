@@ -4,15 +4,13 @@
     quantize_int8(engine.model)                 # q/k/v/o, gate/up/down and the LM head -> int8 weights
 
 Each output channel (row of W) gets one float32 scale per group of 32 input columns, max|group| / 127, and
-round-to-nearest int8 values (symmetric; the grouping of GGUF's Q8_0). Measured on SmolLM2 (docs/benchmarks.md):
-one scale per whole row kept the greedy output equal to fp32 for 62 of 192 tokens (up to each prompt's first
-difference), groups of 32 for 125.
+round-to-nearest int8 values (symmetric; the grouping of GGUF's Q8_0): per-row scales drift from fp32's greedy
+output much sooner than groups of 32 do.
 Activations stay float32, so the matmul is float32 on weights converted to float on the fly by the AVX2 kernel
-in csrc/kvllm_cpu.cpp (torch.ops.kvllm_cpu.int8_linear). That kernel was chosen by measurement on the 2-core
-AVX2 machine (docs/benchmarks.md): torch's `aten._weight_int8pack_mm` has no fast path without AVX512 (20-40x
-slower than the float32 GEMM), and dequantize-then-matmul costs a float32 weight copy per call (slower than
-float32 at every batch size). Weights take a quarter of the memory, so batch-1 decode, which only streams
-weights, is the case that gains; at large batches the GEMM is compute-bound and int8 cannot beat MKL's fp32.
+in csrc/kvllm_cpu.cpp (torch.ops.kvllm_cpu.int8_linear): torch's `aten._weight_int8pack_mm` has no fast path
+without AVX512, and dequantize-then-matmul copies the weight to float32 on every call. Weights take a quarter of
+the memory, so batch-1 decode, which only streams weights, is the case that gains; at large batches the GEMM is
+compute-bound and int8 cannot beat a float32 GEMM. The measurements: docs/results/cpu_kernels.md.
 
 The embedding lookup keeps its float32 table. With `lm_head=True` (default) the LM head gets an int8 copy of its
 weight (tied models: of the embedding) and the model's `compute_logits` is replaced on this instance only.
