@@ -931,7 +931,7 @@ void int8_panel_avx2(const Int8Problem& I, int64_t p, float* panel) {
 
 // How far ahead of its loads a packed float32 panel stream is prefetched. At decode batch sizes a step reads every
 // weight once from DRAM and the tiles are bound by the cache lines in flight; the hardware prefetcher alone keeps
-// too few (bench/kernel_ab.py --kernel linear). 2 KiB = 32 input columns of one panel.
+// too few (docs/results/cpu_kernels.md, "Packed GEMM kernel"). 2 KiB = 32 input columns of one panel.
 constexpr int kPrefetchBytes = 2048;
 
 // A packed float32 panel read from memory (not scratch, which int8_panel_avx2 fills): its next lines prefetched.
@@ -978,7 +978,8 @@ void dequant_panel_avx2(const int8_t* q, const float* d, const float* m, int64_t
 // AVX-512 packed micro-kernel: a panel row (16 channels) is one zmm, so a tile of MR rows x NP panels keeps
 // MR * NP accumulators; 8 x 3 uses 24 of the 32 registers and issues 24 FMAs per 3 weight loads and 8 broadcasts.
 // Three panel streams, each prefetched kPrefetchBytes ahead, keep more lines in flight than the 12 x 2 tile this
-// replaced (bench/kernel_ab.py --kernel linear), and the tile is no slower when the GEMM is compute-bound.
+// replaced (docs/results/cpu_kernels.md, "Packed GEMM kernel"), and the tile is no slower when the GEMM is
+// compute-bound.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx2,fma,f16c")
 
@@ -1190,8 +1191,8 @@ constexpr int64_t kBlockRows = 384;
 
 #ifdef KVLLM_X86
 // 9-24 rows, blocks in registers: one tile of up to 16 rows per panel (two of 8-12 above 16), so each weight is
-// dequantized once per tile rather than once per 8 rows (bench/gguf_gemm.py). T.x is the tile's rows transposed
-// ([K, MR]): with MR row pointers the tile runs out of general registers and GCC parks them in vector registers,
+// dequantized once per tile rather than once per 8 rows (docs/results/cpu_kernels.md, "GGUF blocks in the GEMM").
+// T.x is the tile's rows transposed ([K, MR]): with MR row pointers the tile runs out of general registers and GCC parks them in vector registers,
 // moving them back on every k.
 template <int MR>
 void blocks_tall512(const Int8Problem& T, const int8_t* qg, const float* dg, const float* mg, int64_t groups,

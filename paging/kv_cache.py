@@ -14,7 +14,7 @@ _MADV_HUGEPAGE = 14
 def _zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
     """A zeroed CPU tensor whose memory is advised to transparent huge pages (Linux), or None where that cannot be
     done. Why: attention walks a few KiB per block at shuffled block addresses; with 4 KiB pages every block is
-    several TLB misses and hardware prefetchers stop at each page boundary (docs/benchmarks.md measures the
+    several TLB misses and hardware prefetchers stop at each page boundary (docs/results/cpu_kernels.md measures the
     attention call on both)."""
     if not sys.platform.startswith("linux"):
         return None

@@ -67,7 +67,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="run the engine (model, KV pool, step loop) in a process of its own, apart from the HTTP "
                         "server, as vLLM's engine core runs (engine/process.py); default: one process, the engine "
                         "loop in a thread beside the HTTP event loop (measured faster on 2 cores, "
-                        "docs/benchmarks.md)")
+                        "docs/results/engine_process.md)")
     add_arguments(p.add_argument_group("server"), ServerConfig)
     c = p.add_argument_group("KV compression shortcuts (merged over --kv-compression; requests override them with "
                              "the kv_compression body field)")
@@ -225,8 +225,8 @@ def _early_threads(argv: list[str]) -> None:
     """`kvllm serve` uses every core by default with a passive OpenMP wait policy, which only takes effect if set
     before torch is imported (engine/threads.py): so --threads is read here, before the parser pulls torch in.
     No spin before sleeping, unlike a process that is only the engine: the HTTP loop and the clients want the same
-    cores, and a spinning worker then holds one (2-thread serving ran slower with 1500 spins: docs/benchmarks.md,
-    "Threads: OpenMP spin before sleep")."""
+    cores, and a spinning worker then holds one (2-thread serving ran slower with 1500 spins:
+    docs/results/cpu_kernels.md, "Threads: OpenMP spin before sleep")."""
     if not argv or argv[0] != "serve":
         return
     n = None

@@ -9,7 +9,7 @@ values are the loader's exactly (d * q is exact in float32, so d * q + m rounds 
 does) and the kernel sums them in packed_linear's order: outputs are bit-identical to gemm_backend='cpu' on the
 same model (tests/test_gguf_linear.py), and the model's weights take ~3x less memory. At the few rows of a small
 decode batch the GEMMs are bound by weight bytes and run faster; at 64 rows and more they are bound by FMAs and
-run at packed_linear's rate or a little below (docs/benchmarks.md, "GGUF blocks in the GEMM").
+run at packed_linear's rate or a little below (docs/results/cpu_kernels.md, "GGUF blocks in the GEMM").
 
 Which rows of which file tensor a layer holds is not derived from names: transformers permutes llama.cpp's q/k
 rows back and kvllm fuses q/k/v and gate/up. Each model row is found in the file by the bits of its dequantized

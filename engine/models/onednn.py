@@ -4,8 +4,8 @@ load into the blocked layout oneDNN's bf16 matmul reads (torch.ops.mkldnn._reord
 torch inductor applies to frozen CPU linears) and multiplied by torch.ops.mkldnn._linear_pointwise.
 
 Why: F.linear on a plain bfloat16 weight reorders the whole weight into that layout on every call, a cost that
-does not shrink with the rows: at the few rows of a small decode batch it is most of the call (about 2x slower at
-1-8 rows, docs/benchmarks.md), while the result is bit-identical to the packed call (tests/test_onednn_linear.py).
+does not shrink with the rows: at the few rows of a small decode batch it is most of the call
+(docs/results/cpu_kernels.md), while the result is bit-identical to the packed call (tests/test_onednn_linear.py).
 vLLM's CPU backend packs its bf16 weights for oneDNN the same way.
 
 Engine use: EngineConfig.gemm_backend ('auto' packs a bfloat16, unsharded, unquantized model on a CPU whose torch
