@@ -212,15 +212,17 @@ def structured_bodies():
                      st.tuples(st.just("/tokenize"), tokenize, header))
 
 
-def valid_edge_bodies():
+def valid_edge_bodies(max_len: int = 96):
     """(path, JSON body): completions whose `kv_compression` is a valid setting of some method, drawn at the edges
-    of its ranges (compression/edges.py); every one must be served in full."""
-    from compression.edges import valid_edge_settings
+    of its ranges with a prompt and max_tokens around them (compression/edges.py); every one must be served in
+    full. Prompts are token ids, so their lengths are exact."""
+    from compression.edges import valid_edge_requests
 
-    settings_ = st.one_of(*[valid_edge_settings(m) for m in registry.names()])
-    return st.builds(lambda kv, n, p: ("/v1/completions", {"prompt": p, "max_tokens": n, "ignore_eos": True,
-                                                           "temperature": 0, "kv_compression": kv}),
-                     settings_, st.integers(1, 48), st.sampled_from(["hi", "The story begins " * 12]))
+    methods = [m for m in registry.names() if m != "none"]
+    cases = st.one_of(*[valid_edge_requests(m, max_len=max_len) for m in methods])
+    return st.builds(lambda c: ("/v1/completions", {"prompt": [100 + i for i in range(c[1])], "max_tokens": c[2],
+                                                    "ignore_eos": True, "temperature": 0, "kv_compression": c[0]}),
+                     cases)
 
 
 STRATEGIES = ("hostile", "valid-edge", "structured")

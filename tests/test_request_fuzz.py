@@ -39,3 +39,11 @@ def test_generated_structured_outputs_tools_and_request_ids_never_get_a_5xx_nor_
     assert report.statuses[200] > 5 and report.statuses[400] > 5, report.statuses
     assert report.worst_health_s < 2.0 and report.worst_probe_s < 2.0, report
     wait_drained(tiny_engine, timeout=120)
+
+
+def test_valid_edge_settings_of_every_method_are_served_in_full(tiny_server, tiny_engine):
+    """The valid-edge strategy: a valid setting of every method at the edges of its ranges, served in full."""
+    report = check_server(tiny_server.base_url, 40, seed=3, strategies=("valid-edge",))
+    assert report.sent == 40 and not report.bad and report.failed_accepted == 0, report.bad[:5]
+    assert report.statuses == {200: 40}, report.statuses
+    wait_drained(tiny_engine, timeout=120)
