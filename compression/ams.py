@@ -64,7 +64,6 @@ import torch
 from compression import registry
 from compression.base import Compressor, PrefixBatch, Selection
 from compression.config import field_error
-
 from compression.baselines import (
     h2o_scores,
     h2o_threshold_scores,
@@ -78,16 +77,18 @@ from compression.baselines import (
 )
 from compression.kara import kara_scores
 from compression.method_utils import (
+    check_bool,
     check_budget,
+    check_int,
     check_k,
     check_kernel,
+    check_number,
     check_threshold,
     check_unit,
     check_window,
-    finite_scores,
     obs_window_len,
-    validate_number,
 )
+from compression.primitives import finite_scores
 from compression.rkv import rkv_scores, rkv_window_scores
 from compression.snapkv import snapkv_scores
 
@@ -124,16 +125,10 @@ THRESHOLD_BASES: dict[str, Callable[..., torch.Tensor]] = {
 
 
 # ----------------------------------------------------------------------------- parameter checks
-def _check_int(name: str, value: int, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"ams.{name} must be an integer >= {lo}, got {value!r}")
-    return value
-
-
 def _check_segment_params(segment_mass: float, min_seg_len: int, max_seg_len: int) -> None:
     check_unit("ams", "segment_mass", segment_mass, lo_open=True)
-    _check_int("min_seg_len", min_seg_len, 1)
-    _check_int("max_seg_len", max_seg_len, 1)
+    check_int("min_seg_len", min_seg_len, 1, method="ams")
+    check_int("max_seg_len", max_seg_len, 1, method="ams")
     if max_seg_len < min_seg_len:
         raise ValueError(f"ams.max_seg_len must be >= min_seg_len ({min_seg_len}), got {max_seg_len!r}")
 
@@ -306,7 +301,7 @@ def ams_quotas(mass: torch.Tensor, k: int, *, segment_mass: float = AMS_SEGMENT_
     """(segment ids shaped like mass, quotas [..., S] summing to k; S = the most segments of any row, absent
     segments get 0)."""
     _check_segment_params(segment_mass, min_seg_len, max_seg_len)
-    _check_int("min_keep_per_segment", min_keep_per_segment, 0)
+    check_int("min_keep_per_segment", min_keep_per_segment, 0, method="ams")
     T = mass.shape[-1]
     check_k("ams", k, T)
     m = ams_normalize(mass).reshape(-1, T)
@@ -323,8 +318,8 @@ def ams_select(mass: torch.Tensor, scores: torch.Tensor, k: int, *, segment_mass
     [L, Hkv, T]); returns LongTensor [..., k] of kept positions, strictly ascending, exactly k per row."""
     if mass.shape != scores.shape:
         raise ValueError(f"ams: mass {tuple(mass.shape)} and scores {tuple(scores.shape)} must have the same shape")
-    _check_int("n_sink", n_sink, 0)
-    _check_int("keep_last", keep_last, 0)
+    check_int("n_sink", n_sink, 0, method="ams")
+    check_int("keep_last", keep_last, 0, method="ams")
     lead, T = mass.shape[:-1], mass.shape[-1]
     seg, quota = ams_quotas(mass, k, segment_mass=segment_mass, min_seg_len=min_seg_len, max_seg_len=max_seg_len,
                             min_keep_per_segment=min_keep_per_segment)
@@ -430,13 +425,6 @@ def ams_threshold_select(queries_obs: torch.Tensor, keys: torch.Tensor, budget: 
 
 
 # ----------------------------------------------------------------------------- registration
-def _int_at_least(name: str, value, lo: int, none_ok: bool = False) -> None:
-    if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise field_error(name, f"must be an integer >= {lo}" + (" or null" if none_ok else ""), value)
-
-
 @dataclass
 class AMSParams:
     """base: the scorer ranking slots inside each segment (null: "kara" under the periodic policy, "snapkv" under
@@ -461,20 +449,17 @@ class AMSParams:
         bases = sorted(set(WINDOW_BASES) | set(THRESHOLD_BASES))
         if self.base is not None and self.base not in bases:
             raise field_error("base", f"must be one of {bases} or null", self.base)
-        validate_number("segment_mass", self.segment_mass, 0.0, 1.0)
-        if self.segment_mass <= 0:
-            raise field_error("segment_mass", "must be > 0", self.segment_mass)
-        _int_at_least("min_seg_len", self.min_seg_len, 1)
-        _int_at_least("max_seg_len", self.max_seg_len, 1)
+        check_number("segment_mass", self.segment_mass, 0.0, 1.0, lo_open=True)
+        check_int("min_seg_len", self.min_seg_len, 1)
+        check_int("max_seg_len", self.max_seg_len, 1)
         if self.max_seg_len < self.min_seg_len:
             raise field_error("max_seg_len", f"must be >= min_seg_len ({self.min_seg_len})", self.max_seg_len)
-        _int_at_least("min_keep_per_segment", self.min_keep_per_segment, 0)
-        _int_at_least("n_sink", self.n_sink, 0, none_ok=True)
-        _int_at_least("keep_last", self.keep_last, 0, none_ok=True)
-        validate_number("credit_decay", self.credit_decay, 0.0, 1.0, hi_open=True)
-        validate_number("mix_beta", self.mix_beta, 0.0, 1.0)
-        if not isinstance(self.use_credit, bool):
-            raise field_error("use_credit", "must be a boolean", self.use_credit)
+        check_int("min_keep_per_segment", self.min_keep_per_segment, 0)
+        check_int("n_sink", self.n_sink, 0, none_ok=True)
+        check_int("keep_last", self.keep_last, 0, none_ok=True)
+        check_number("credit_decay", self.credit_decay, 0.0, 1.0, hi_open=True)
+        check_number("mix_beta", self.mix_beta, 0.0, 1.0)
+        check_bool("use_credit", self.use_credit)
 
     def check_common(self, common) -> None:
         table = WINDOW_BASES if common.policy == "periodic" else THRESHOLD_BASES

@@ -109,7 +109,7 @@ class CompressionStage:
         st = CompressionState(cfg, start, query_source=source, kept_per_window=kept,
                               max_tail=self.limits.max_model_len if self.limits is not None else None)
         if comp.needs_entropy:
-            st.entropy, st.entropy_top_k = EntropyStore(), comp.entropy_top_k
+            st.entropy, st.entropy_top_k, st.entropy_fn = EntropyStore(), comp.entropy_top_k, comp.token_entropy
         return st
 
     def compressor(self, cfg: KVCompressionConfig):
@@ -149,15 +149,15 @@ class CompressionStage:
 
     def record_entropy(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Any, BaseException]]:
         """Called by the engine with the logits each of `seqs` samples its next token from (rows in order): for
-        the sequences whose method needs it, the top-k renormalised entropy (compression/infokv.py
-        `topk_entropy`) is stored at the logical position the sampled token will take. Others cost nothing.
+        the sequences whose method needs it, the method's `token_entropy` of them (InfoKV: the top-k renormalised
+        entropy) is stored at the logical position the sampled token will take. Others cost nothing.
         Returns the sequences whose part failed."""
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple, list[int]] = {}
         for row, seq in enumerate(seqs):
             st = seq.compression
             if st is not None and st.entropy is not None:
-                groups.setdefault(st.entropy_top_k, []).append(row)
-        for k, rows in groups.items():
+                groups.setdefault((st.entropy_fn, st.entropy_top_k), []).append(row)
+        for (_, k), rows in groups.items():
             try:
                 _record_entropy(seqs, logits, k, rows)
             except Exception:  # find whose part failed: only that request ends (re-storing a position is harmless)
@@ -304,10 +304,9 @@ class CompressionStage:
 
 
 def _record_entropy(seqs: list, logits: torch.Tensor, k: int, rows: list[int]) -> None:
-    from compression.infokv import topk_entropy
-
+    """The rows share one method's signal function (`record_entropy` groups them by it)."""
     idx = torch.tensor(rows, device=logits.device)
-    ent = topk_entropy(logits.index_select(0, idx), k).cpu()
+    ent = seqs[rows[0]].compression.entropy_fn(logits.index_select(0, idx), k).cpu()
     for i, row in enumerate(rows):
         seq = seqs[row]
         seq.compression.entropy.put(seq.num_tokens, ent[i:i + 1])
