@@ -38,7 +38,7 @@ from compression.config import KVCompressionConfig, Limits, check_limits, coerce
 from compression.rounds import PreparedRound, threshold_jobs, window_jobs
 from compression.state import CompressionState, EntropyStore
 from compression.stats import RoundStats
-from paging.compaction import CompactionRequest
+from paging.compaction import CompactionJob
 
 
 class Sequence(Protocol):
@@ -60,7 +60,7 @@ QueryFn = Callable[[list[tuple[Any, int, int]]], torch.Tensor]
 class KVManager(Protocol):
     def gather_keys(self, seq: Sequence, start: int, length: int) -> torch.Tensor: ...
     def gather_values(self, seq: Sequence, start: int, length: int) -> torch.Tensor: ...
-    def compact(self, jobs: list["CompactionRequest"]) -> list[int]: ...
+    def compact(self, jobs: list[CompactionJob]) -> list[int]: ...
 
 
 class CompressionStage:
@@ -243,11 +243,11 @@ class CompressionStage:
             for rec in (self.stats, self.stats.method(method)):
                 rec.queries_cached += cached
                 rec.queries_recomputed += recomputed
-        freed = kv.compact([job.request for job in prep.jobs])
-        for job, f in zip(prep.jobs, freed):
-            job.done()
-            self._count(job.request, job.kept, f, job.merged)
-        self._finish_round(t0, prep.device, prep.own_time, [job.request for job in prep.jobs], on_demand)
+        freed = kv.compact(prep.jobs)
+        for job, done, f in zip(prep.jobs, prep.done, freed):
+            done()
+            self._count(job, f)
+        self._finish_round(t0, prep.device, prep.own_time, prep.jobs, on_demand)
         return sum(freed)
 
     # -- periodic window compression ----------------------------------------------------------------------
@@ -272,7 +272,8 @@ class CompressionStage:
     def _threshold_jobs(self, seqs: list[Sequence], kv: KVManager, queries: QueryFn) -> PreparedRound:
         return threshold_jobs(seqs, kv, queries, self.compressor)
 
-    def _count(self, job: CompactionRequest, kept: int, freed: int, merged: bool = False) -> None:
+    def _count(self, job: CompactionJob, freed: int) -> None:
+        kept, merged = int(job.kept.shape[-1]), job.new_keys is not None
         job.seq.compression.rounds += 1
         m = self.stats.method(job.seq.compression.config.method)
         for s in (self.stats, m):
@@ -282,7 +283,7 @@ class CompressionStage:
             s.tokens_seen += job.region_len
 
     def _finish_round(self, t0: float, device: torch.device | None, own_time: dict[str, float],
-                      jobs: list[CompactionRequest], on_demand: bool = False) -> None:
+                      jobs: list[CompactionJob], on_demand: bool = False) -> None:
         if device is not None and device.type == "cuda":  # count the queued kernels in the round's time
             torch.cuda.synchronize(device)
         total = time.perf_counter() - t0
