@@ -62,20 +62,16 @@ from typing import Callable
 import torch
 
 from compression import registry
-from compression.base import Compressor, PrefixBatch, Selection
-from compression.config import field_error
+from compression.base import Compressor, PrefixBatch, ScoreMethod, Selection, Span
 from compression.baselines import (
-    h2o_scores,
-    h2o_threshold_scores,
-    keydiff_scores,
-    keydiff_threshold_scores,
-    knorm_scores,
-    knorm_threshold_scores,
-    snapkv_window_scores,
-    tova_scores,
-    tova_threshold_scores,
+    H2OCompressor,
+    KeyDiffCompressor,
+    KnormCompressor,
+    SnapKVWindowCompressor,
+    TOVACompressor,
 )
-from compression.kara import kara_scores
+from compression.config import KVCompressionConfig, field_error
+from compression.kara import Kara
 from compression.method_utils import (
     check_bool,
     check_budget,
@@ -89,7 +85,7 @@ from compression.method_utils import (
     obs_window_len,
 )
 from compression.primitives import finite_scores
-from compression.rkv import rkv_scores, rkv_window_scores
+from compression.rkv import RKVCompressor
 from compression.snapkv import snapkv_scores
 
 AMS_SEGMENT_MASS = 0.02
@@ -103,25 +99,21 @@ AMS_MIX_BETA = 0.7
 AMS_EVIDENCE_KERNEL = 5
 _EPS = 1e-12
 
-#: Base scorers for the window policy: f(queries, keys, num_region, **base_kwargs) -> [L, Hkv, n].
-WINDOW_BASES: dict[str, Callable[..., torch.Tensor]] = {
-    "kara": lambda q, k, n, **kw: kara_scores(q, k, n, **kw),
-    "rkv": lambda q, k, n, **kw: rkv_window_scores(q, k, n, **kw),
-    "tova": lambda q, k, n, **kw: tova_scores(q, k, n, **kw),
-    "snapkv": lambda q, k, n, **kw: snapkv_window_scores(q, k, n, **kw),
-    "h2o": lambda q, k, n, **kw: h2o_scores(q, k, n, **kw),
-    "keydiff": lambda q, k, n, **kw: keydiff_scores(k, n, **kw),
-    "knorm": lambda q, k, n, **kw: knorm_scores(k, n, **kw),
-}
-#: Base scorers for the threshold policy: f(queries_obs, keys, **base_kwargs) -> [L, Hkv, T - w].
-THRESHOLD_BASES: dict[str, Callable[..., torch.Tensor]] = {
-    "snapkv": lambda qo, k, kernel=5: snapkv_scores(qo, k, kernel),
-    "rkv": lambda qo, k, **kw: rkv_scores(qo, k, **kw),
-    "tova": lambda qo, k, **kw: tova_threshold_scores(qo, k, **kw),
-    "h2o": lambda qo, k, **kw: h2o_threshold_scores(qo, k, **kw),
-    "keydiff": lambda qo, k, **kw: keydiff_threshold_scores(qo, k, **kw),
-    "knorm": lambda qo, k, **kw: knorm_threshold_scores(qo, k, **kw),
-}
+
+def _scorer(name: str, cls: type[ScoreMethod], policy: str) -> Callable[..., torch.Tensor]:
+    """A registered score method with its default settings, as a base scorer (its `score` alone)."""
+    comp = cls(KVCompressionConfig(name, policy=policy))
+    if policy == "periodic":
+        return lambda q, k, n: comp.score(Span(policy, k, q, n, k.shape[0]))
+    return lambda qo, k: comp.score(Span(policy, k, qo, k.shape[2] - qo.shape[2], k.shape[0]))
+
+
+_BASES = {"kara": Kara, "rkv": RKVCompressor, "tova": TOVACompressor, "snapkv": SnapKVWindowCompressor,
+          "h2o": H2OCompressor, "keydiff": KeyDiffCompressor, "knorm": KnormCompressor}
+#: Base scorers for the window policy: f(queries, keys, num_region) -> [L, Hkv, n].
+WINDOW_BASES = {name: _scorer(name, cls, "periodic") for name, cls in _BASES.items()}
+#: Base scorers for the threshold policy: f(queries_obs, keys) -> [L, Hkv, T - w].
+THRESHOLD_BASES = {name: _scorer(name, cls, "threshold") for name, cls in _BASES.items() if "threshold" in cls.policies}
 
 
 # ----------------------------------------------------------------------------- parameter checks
@@ -355,37 +347,37 @@ def ams_select(mass: torch.Tensor, scores: torch.Tensor, k: int, *, segment_mass
 
 
 # ----------------------------------------------------------------------------- policies
-def _base_scores(table: dict, base: str | torch.Tensor, args: tuple, kwargs: dict | None, shape: tuple) -> torch.Tensor:
+def _base_scores(table: dict, base: str | torch.Tensor, args: tuple, shape: tuple) -> torch.Tensor:
     if isinstance(base, torch.Tensor):
         s = base
     else:
         if base not in table:
             raise ValueError(f"ams.base must be one of {sorted(table)} or a score tensor, got {base!r}")
-        s = table[base](*args, **(kwargs or {}))
+        s = table[base](*args)
     if tuple(s.shape) != shape:
         raise ValueError(f"ams: base scores must be {shape}, got {tuple(s.shape)}")
     return s
 
 
 def ams_window_select(queries: torch.Tensor, keys: torch.Tensor, num_region: int, k: int, *,
-                      base: str | torch.Tensor = "kara", base_kwargs: dict | None = None,
+                      base: str | torch.Tensor = "kara",
                       obs_window: int | None = None, kernel: int = AMS_EVIDENCE_KERNEL,
                       segment_mass: float = AMS_SEGMENT_MASS, min_seg_len: int = AMS_MIN_SEG_LEN,
                       max_seg_len: int = AMS_MAX_SEG_LEN, min_keep_per_segment: int = AMS_MIN_KEEP_PER_SEGMENT,
                       n_sink: int = 0, keep_last: int = 0) -> torch.Tensor:
-    """AMS over one window's region. ``base``: a name in WINDOW_BASES (scored with ``base_kwargs``) or the base
+    """AMS over one window's region. ``base``: a name in WINDOW_BASES (scored with its defaults) or the base
     scores themselves [L, Hkv, n]. Mass: `ams_window_mass` (needs a buffer). LongTensor [L, Hkv, k], ascending."""
     check_window("ams", queries, keys, num_region)
     check_k("ams", k, num_region)
     L, hkv = keys.shape[:2]
     mass = ams_window_mass(queries, keys, num_region, obs_window=obs_window, kernel=kernel)
-    s = _base_scores(WINDOW_BASES, base, (queries, keys, num_region), base_kwargs, (L, hkv, num_region))
+    s = _base_scores(WINDOW_BASES, base, (queries, keys, num_region), (L, hkv, num_region))
     return ams_select(mass, s, k, segment_mass=segment_mass, min_seg_len=min_seg_len, max_seg_len=max_seg_len,
                       min_keep_per_segment=min_keep_per_segment, n_sink=n_sink, keep_last=keep_last)
 
 
 def ams_threshold_select(queries_obs: torch.Tensor, keys: torch.Tensor, budget: int, *,
-                         base: str | torch.Tensor = "snapkv", base_kwargs: dict | None = None,
+                         base: str | torch.Tensor = "snapkv",
                          credit_prev: torch.Tensor | None = None, use_credit: bool = True,
                          credit_decay: float = AMS_CREDIT_DECAY, mix_beta: float = AMS_MIX_BETA,
                          kernel: int = AMS_EVIDENCE_KERNEL, segment_mass: float = AMS_SEGMENT_MASS,
@@ -413,7 +405,7 @@ def ams_threshold_select(queries_obs: torch.Tensor, keys: torch.Tensor, budget: 
     credit = None
     if use_credit:
         mass, credit = ams_credit_update(mass, credit_prev, credit_decay=credit_decay, mix_beta=mix_beta)
-    pre = _base_scores(THRESHOLD_BASES, base, (queries_obs, keys), base_kwargs, (L, hkv, n))
+    pre = _base_scores(THRESHOLD_BASES, base, (queries_obs, keys), (L, hkv, n))
     # The observation slots always win their segment's quota (the caller keeps them), like the reference's
     # max-padding of the base scores.
     s = torch.cat([finite_scores(pre), pre.new_full((L, hkv, w), float("inf"), dtype=torch.float32)], dim=-1)

@@ -196,6 +196,7 @@ def threshold_budget(common) -> int:
 #: the common top-k, under the name the method modules use
 select_topk = topk_sorted
 
-__all__ = ["MAX_ELEMS", "layer_groups", "check_window_inputs", "check_window", "check_threshold", "check_int", "check_number", "check_bool", "check_k",
-           "check_budget", "check_kernel", "check_unit", "obs_window_len", "group_queries", "causal_probs", "pool1d",
-           "finite_scores", "select_topk", "check_obs_window", "threshold_budget"]
+__all__ = ["MAX_ELEMS", "layer_groups", "check_window_inputs", "check_window", "check_threshold", "check_int",
+           "check_number", "check_bool", "check_k", "check_budget", "check_kernel", "check_unit", "obs_window_len",
+           "group_queries", "causal_probs", "pool1d", "finite_scores", "select_topk", "check_obs_window",
+           "threshold_budget"]

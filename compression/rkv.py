@@ -190,7 +190,8 @@ class RKVCompressor(ScoreMethod):
         return rkv_scores(span.queries, span.keys, **kw)
 
 
-registry.register("rkv", RKVCompressor, description="R-KV: attention importance minus key redundancy; ⌈r·n⌉ per window")
+registry.register("rkv", RKVCompressor,
+                  description="R-KV: attention importance minus key redundancy; ⌈r·n⌉ per window")
 
 
 __all__ = ["RKV_LAMBDA", "RKV_KERNEL", "RKV_SIM_THRESHOLD", "RKV_OBS_WINDOW", "rkv_importance", "rkv_redundancy",
