@@ -184,13 +184,7 @@ class ScoreMethod(Compressor):
         return self.keep(self.score(span), self.num_kept(n))
 
     def select(self, queries: torch.Tensor | None, keys: torch.Tensor, num_region: int) -> torch.Tensor:
-        return self.select_windows(WindowBatch(keys, queries, num_region, keys.shape[0], [self.rng()]))
-
-    def rng(self) -> torch.Generator:
-        """`select`'s generator (a batch brings one per window): seeded once, so successive calls draw afresh."""
-        if getattr(self, "_rng", None) is None:
-            self._rng = torch.Generator(device="cpu").manual_seed(self.config.seed)
-        return self._rng
+        return self.select_windows(WindowBatch(keys, queries, num_region, keys.shape[0]))
 
     def select_prefix(self, queries_obs: torch.Tensor, keys: torch.Tensor, budget: int) -> torch.Tensor:
         return self._select_prefix(PrefixBatch(queries_obs, keys, budget, queries_obs.shape[2]))

@@ -233,17 +233,12 @@ def knorm_select(queries: torch.Tensor | None, keys: torch.Tensor, num_region: i
     return select_topk(knorm_scores(keys, num_region), k)
 
 
-def knorm_threshold_scores(queries_obs: torch.Tensor | None, keys: torch.Tensor, *,
-                           obs_window: int | None = None) -> torch.Tensor:
-    """-||k_j|| for the prefix [0, T - w). float32 [L, Hkv, T - w]."""
-    w = check_threshold("knorm", queries_obs, keys, obs_window)
-    return -torch.linalg.vector_norm(keys[:, :, : keys.shape[2] - w].to(torch.float32), dim=-1)
-
-
 def knorm_threshold_select(queries_obs: torch.Tensor | None, keys: torch.Tensor, budget: int, *,
                            obs_window: int | None = None) -> torch.Tensor:
+    """The lowest-norm keys of the prefix [0, T - w): LongTensor [L, Hkv, min(budget, T - w)], ascending."""
     check_budget("knorm", budget)
-    return select_topk(knorm_threshold_scores(queries_obs, keys, obs_window=obs_window), budget)
+    w = check_threshold("knorm", queries_obs, keys, obs_window)
+    return select_topk(knorm_scores(keys, keys.shape[2] - w), budget)
 
 
 # ----------------------------------------------------------------------------- registration
@@ -359,7 +354,7 @@ __all__ = [
     "tova_scores", "tova_select", "tova_threshold_scores", "tova_threshold_select",
     "h2o_scores", "h2o_select", "h2o_threshold_scores", "h2o_threshold_select",
     "keydiff_scores", "keydiff_select", "keydiff_threshold_scores", "keydiff_threshold_select",
-    "knorm_scores", "knorm_select", "knorm_threshold_scores", "knorm_threshold_select",
+    "knorm_scores", "knorm_select", "knorm_threshold_select",
     "SnapKVWindowParams", "SnapKVWindowCompressor", "TOVACompressor", "H2OParams", "H2OCompressor",
     "KeyDiffCompressor", "KnormCompressor",
 ]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from compression import registry
-from compression.base import ScoreMethod, Span, num_kept, num_topk
+from compression.base import ScoreMethod, Span, WindowBatch, num_kept, num_topk
 from compression.method_utils import check_bool, check_int, check_window_inputs
 from compression.primitives import layer_groups, topk_sorted
 
@@ -161,6 +161,13 @@ class RandomCompressor(ScoreMethod):
     `select` (no batch) uses a generator of its own, seeded at construction."""
 
     params, policies, needs_queries = BudgetParams, ("periodic",), False
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
+
+    def select(self, queries, keys: torch.Tensor, num_region: int) -> torch.Tensor:
+        return self.select_windows(WindowBatch(keys, queries, num_region, keys.shape[0], [self.generator]))
 
     def num_kept(self, num_region: int) -> int:
         return num_kept(self.config.ratio, num_region, self.config.chunk_budget)

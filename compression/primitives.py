@@ -29,15 +29,10 @@ def finite_scores(scores: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(scores.to(torch.float32), nan=float("-inf"))
 
 
-def desc_order(scores: torch.Tensor) -> torch.Tensor:
-    """Indices sorting the last axis by score, best first; ties -> lower index first; NaN counts as -inf."""
-    return torch.sort(finite_scores(scores), dim=-1, descending=True, stable=True).indices
-
-
 def topk_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The k best positions along the last axis (ties -> lower index), returned in ascending index order."""
-    k = min(k, scores.shape[-1])
-    return desc_order(scores)[..., :k].sort(dim=-1).values
+    """The k best positions along the last axis (ties -> lower index, NaN counts as -inf), ascending."""
+    order = torch.sort(finite_scores(scores), dim=-1, descending=True, stable=True).indices
+    return order[..., :min(k, scores.shape[-1])].sort(dim=-1).values
 
 
 def is_int(v: Any) -> bool:
@@ -45,5 +40,5 @@ def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-__all__ = ["MAX_ELEMS", "MAX_ELEMS_CPU", "logit_cap", "layer_groups", "finite_scores", "desc_order", "topk_sorted",
+__all__ = ["MAX_ELEMS", "MAX_ELEMS_CPU", "logit_cap", "layer_groups", "finite_scores", "topk_sorted",
            "is_int"]

@@ -68,7 +68,7 @@ def register(name: str, factory: Callable[[Any], Any] | None, params: type | Non
 
 
 def unregister(name: str) -> None:
-    """Remove a method registered at run time (e.g. by a test); the built-in ones stay."""
+    """Remove a method (one registered at run time, e.g. by a test)."""
     del _REGISTRY[name]
 
 
