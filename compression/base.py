@@ -1,4 +1,5 @@
-"""The `Compressor` interface (pure logic: no model, engine or paging code).
+"""The `Compressor` interface (pure logic: no model, engine or paging code), and `ScoreMethod`, the base of every
+method that only scores slots: it implements `score` (and `keep` when its selection is more than a top-k).
 
 A window compressor sees a `WindowBatch`: several trailing windows, possibly of several sequences, stacked on the
 leading (layer) axis, and returns, for every row and KV head, the sorted indices of the region slots to keep. Every
