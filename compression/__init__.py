@@ -2,10 +2,12 @@
 
 Importing the package registers the built-in methods (each module below calls `registry.register`).
 """
-from compression import ams, baselines, centroid, infokv, kara, rkv, snapkv  # noqa: F401  (registration)
-from compression.base import Compressor, PrefixBatch, Selection, WindowBatch, num_kept, num_topk
+# registration; kara, the default method, first
+from compression import kara, ams, baselines, centroid, infokv, rkv, snapkv  # noqa: F401
+from compression.base import Compressor, PrefixBatch, ScoreMethod, Selection, Span, WindowBatch, num_kept, num_topk
 from compression.config import COMMON_FIELDS, ConfigError, KVCompressionConfig, coerce
-from compression.kara import Kara, RandomCompressor, RecentCompressor, kara_scores, token2chunk, topk_sorted
+from compression.kara import Kara, RandomCompressor, RecentCompressor, kara_scores, token2chunk
+from compression.primitives import topk_sorted
 from compression.registry import MethodSpec, names, register
 from compression.snapkv import SnapKVCompressor, snapkv_scores, snapkv_select
 
@@ -18,6 +20,8 @@ def make_compressor(config: KVCompressionConfig):
 __all__ = [
     "COMMON_FIELDS",
     "Compressor",
+    "ScoreMethod",
+    "Span",
     "ConfigError",
     "PrefixBatch",
     "Selection",

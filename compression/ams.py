@@ -62,33 +62,30 @@ from typing import Callable
 import torch
 
 from compression import registry
-from compression.base import Compressor, PrefixBatch, Selection
-from compression.config import field_error
-
+from compression.base import Compressor, PrefixBatch, ScoreMethod, Selection, Span
 from compression.baselines import (
-    h2o_scores,
-    h2o_threshold_scores,
-    keydiff_scores,
-    keydiff_threshold_scores,
-    knorm_scores,
-    knorm_threshold_scores,
-    snapkv_window_scores,
-    tova_scores,
-    tova_threshold_scores,
+    H2OCompressor,
+    KeyDiffCompressor,
+    KnormCompressor,
+    SnapKVWindowCompressor,
+    TOVACompressor,
 )
-from compression.kara import kara_scores
+from compression.config import KVCompressionConfig, field_error
+from compression.kara import Kara
 from compression.method_utils import (
+    check_bool,
     check_budget,
+    check_int,
     check_k,
     check_kernel,
+    check_number,
     check_threshold,
     check_unit,
     check_window,
-    finite_scores,
     obs_window_len,
-    validate_number,
 )
-from compression.rkv import rkv_scores, rkv_window_scores
+from compression.primitives import finite_scores
+from compression.rkv import RKVCompressor
 from compression.snapkv import snapkv_scores
 
 AMS_SEGMENT_MASS = 0.02
@@ -102,38 +99,28 @@ AMS_MIX_BETA = 0.7
 AMS_EVIDENCE_KERNEL = 5
 _EPS = 1e-12
 
-#: Base scorers for the window policy: f(queries, keys, num_region, **base_kwargs) -> [L, Hkv, n].
-WINDOW_BASES: dict[str, Callable[..., torch.Tensor]] = {
-    "kara": lambda q, k, n, **kw: kara_scores(q, k, n, **kw),
-    "rkv": lambda q, k, n, **kw: rkv_window_scores(q, k, n, **kw),
-    "tova": lambda q, k, n, **kw: tova_scores(q, k, n, **kw),
-    "snapkv": lambda q, k, n, **kw: snapkv_window_scores(q, k, n, **kw),
-    "h2o": lambda q, k, n, **kw: h2o_scores(q, k, n, **kw),
-    "keydiff": lambda q, k, n, **kw: keydiff_scores(k, n, **kw),
-    "knorm": lambda q, k, n, **kw: knorm_scores(k, n, **kw),
-}
-#: Base scorers for the threshold policy: f(queries_obs, keys, **base_kwargs) -> [L, Hkv, T - w].
-THRESHOLD_BASES: dict[str, Callable[..., torch.Tensor]] = {
-    "snapkv": lambda qo, k, kernel=5: snapkv_scores(qo, k, kernel),
-    "rkv": lambda qo, k, **kw: rkv_scores(qo, k, **kw),
-    "tova": lambda qo, k, **kw: tova_threshold_scores(qo, k, **kw),
-    "h2o": lambda qo, k, **kw: h2o_threshold_scores(qo, k, **kw),
-    "keydiff": lambda qo, k, **kw: keydiff_threshold_scores(qo, k, **kw),
-    "knorm": lambda qo, k, **kw: knorm_threshold_scores(qo, k, **kw),
-}
+
+def _scorer(name: str, cls: type[ScoreMethod], policy: str) -> Callable[..., torch.Tensor]:
+    """A registered score method with its default settings, as a base scorer (its `score` alone)."""
+    comp = cls(KVCompressionConfig(name, policy=policy))
+    if policy == "periodic":
+        return lambda q, k, n: comp.score(Span(policy, k, q, n, k.shape[0]))
+    return lambda qo, k: comp.score(Span(policy, k, qo, k.shape[2] - qo.shape[2], k.shape[0]))
+
+
+_BASES = {"kara": Kara, "rkv": RKVCompressor, "tova": TOVACompressor, "snapkv": SnapKVWindowCompressor,
+          "h2o": H2OCompressor, "keydiff": KeyDiffCompressor, "knorm": KnormCompressor}
+#: Base scorers for the window policy: f(queries, keys, num_region) -> [L, Hkv, n].
+WINDOW_BASES = {name: _scorer(name, cls, "periodic") for name, cls in _BASES.items()}
+#: Base scorers for the threshold policy: f(queries_obs, keys) -> [L, Hkv, T - w].
+THRESHOLD_BASES = {name: _scorer(name, cls, "threshold") for name, cls in _BASES.items() if "threshold" in cls.policies}
 
 
 # ----------------------------------------------------------------------------- parameter checks
-def _check_int(name: str, value: int, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"ams.{name} must be an integer >= {lo}, got {value!r}")
-    return value
-
-
 def _check_segment_params(segment_mass: float, min_seg_len: int, max_seg_len: int) -> None:
     check_unit("ams", "segment_mass", segment_mass, lo_open=True)
-    _check_int("min_seg_len", min_seg_len, 1)
-    _check_int("max_seg_len", max_seg_len, 1)
+    check_int("min_seg_len", min_seg_len, 1, method="ams")
+    check_int("max_seg_len", max_seg_len, 1, method="ams")
     if max_seg_len < min_seg_len:
         raise ValueError(f"ams.max_seg_len must be >= min_seg_len ({min_seg_len}), got {max_seg_len!r}")
 
@@ -306,7 +293,7 @@ def ams_quotas(mass: torch.Tensor, k: int, *, segment_mass: float = AMS_SEGMENT_
     """(segment ids shaped like mass, quotas [..., S] summing to k; S = the most segments of any row, absent
     segments get 0)."""
     _check_segment_params(segment_mass, min_seg_len, max_seg_len)
-    _check_int("min_keep_per_segment", min_keep_per_segment, 0)
+    check_int("min_keep_per_segment", min_keep_per_segment, 0, method="ams")
     T = mass.shape[-1]
     check_k("ams", k, T)
     m = ams_normalize(mass).reshape(-1, T)
@@ -323,8 +310,8 @@ def ams_select(mass: torch.Tensor, scores: torch.Tensor, k: int, *, segment_mass
     [L, Hkv, T]); returns LongTensor [..., k] of kept positions, strictly ascending, exactly k per row."""
     if mass.shape != scores.shape:
         raise ValueError(f"ams: mass {tuple(mass.shape)} and scores {tuple(scores.shape)} must have the same shape")
-    _check_int("n_sink", n_sink, 0)
-    _check_int("keep_last", keep_last, 0)
+    check_int("n_sink", n_sink, 0, method="ams")
+    check_int("keep_last", keep_last, 0, method="ams")
     lead, T = mass.shape[:-1], mass.shape[-1]
     seg, quota = ams_quotas(mass, k, segment_mass=segment_mass, min_seg_len=min_seg_len, max_seg_len=max_seg_len,
                             min_keep_per_segment=min_keep_per_segment)
@@ -360,37 +347,37 @@ def ams_select(mass: torch.Tensor, scores: torch.Tensor, k: int, *, segment_mass
 
 
 # ----------------------------------------------------------------------------- policies
-def _base_scores(table: dict, base: str | torch.Tensor, args: tuple, kwargs: dict | None, shape: tuple) -> torch.Tensor:
+def _base_scores(table: dict, base: str | torch.Tensor, args: tuple, shape: tuple) -> torch.Tensor:
     if isinstance(base, torch.Tensor):
         s = base
     else:
         if base not in table:
             raise ValueError(f"ams.base must be one of {sorted(table)} or a score tensor, got {base!r}")
-        s = table[base](*args, **(kwargs or {}))
+        s = table[base](*args)
     if tuple(s.shape) != shape:
         raise ValueError(f"ams: base scores must be {shape}, got {tuple(s.shape)}")
     return s
 
 
 def ams_window_select(queries: torch.Tensor, keys: torch.Tensor, num_region: int, k: int, *,
-                      base: str | torch.Tensor = "kara", base_kwargs: dict | None = None,
+                      base: str | torch.Tensor = "kara",
                       obs_window: int | None = None, kernel: int = AMS_EVIDENCE_KERNEL,
                       segment_mass: float = AMS_SEGMENT_MASS, min_seg_len: int = AMS_MIN_SEG_LEN,
                       max_seg_len: int = AMS_MAX_SEG_LEN, min_keep_per_segment: int = AMS_MIN_KEEP_PER_SEGMENT,
                       n_sink: int = 0, keep_last: int = 0) -> torch.Tensor:
-    """AMS over one window's region. ``base``: a name in WINDOW_BASES (scored with ``base_kwargs``) or the base
+    """AMS over one window's region. ``base``: a name in WINDOW_BASES (scored with its defaults) or the base
     scores themselves [L, Hkv, n]. Mass: `ams_window_mass` (needs a buffer). LongTensor [L, Hkv, k], ascending."""
     check_window("ams", queries, keys, num_region)
     check_k("ams", k, num_region)
     L, hkv = keys.shape[:2]
     mass = ams_window_mass(queries, keys, num_region, obs_window=obs_window, kernel=kernel)
-    s = _base_scores(WINDOW_BASES, base, (queries, keys, num_region), base_kwargs, (L, hkv, num_region))
+    s = _base_scores(WINDOW_BASES, base, (queries, keys, num_region), (L, hkv, num_region))
     return ams_select(mass, s, k, segment_mass=segment_mass, min_seg_len=min_seg_len, max_seg_len=max_seg_len,
                       min_keep_per_segment=min_keep_per_segment, n_sink=n_sink, keep_last=keep_last)
 
 
 def ams_threshold_select(queries_obs: torch.Tensor, keys: torch.Tensor, budget: int, *,
-                         base: str | torch.Tensor = "snapkv", base_kwargs: dict | None = None,
+                         base: str | torch.Tensor = "snapkv",
                          credit_prev: torch.Tensor | None = None, use_credit: bool = True,
                          credit_decay: float = AMS_CREDIT_DECAY, mix_beta: float = AMS_MIX_BETA,
                          kernel: int = AMS_EVIDENCE_KERNEL, segment_mass: float = AMS_SEGMENT_MASS,
@@ -418,7 +405,7 @@ def ams_threshold_select(queries_obs: torch.Tensor, keys: torch.Tensor, budget: 
     credit = None
     if use_credit:
         mass, credit = ams_credit_update(mass, credit_prev, credit_decay=credit_decay, mix_beta=mix_beta)
-    pre = _base_scores(THRESHOLD_BASES, base, (queries_obs, keys), base_kwargs, (L, hkv, n))
+    pre = _base_scores(THRESHOLD_BASES, base, (queries_obs, keys), (L, hkv, n))
     # The observation slots always win their segment's quota (the caller keeps them), like the reference's
     # max-padding of the base scores.
     s = torch.cat([finite_scores(pre), pre.new_full((L, hkv, w), float("inf"), dtype=torch.float32)], dim=-1)
@@ -430,13 +417,6 @@ def ams_threshold_select(queries_obs: torch.Tensor, keys: torch.Tensor, budget: 
 
 
 # ----------------------------------------------------------------------------- registration
-def _int_at_least(name: str, value, lo: int, none_ok: bool = False) -> None:
-    if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise field_error(name, f"must be an integer >= {lo}" + (" or null" if none_ok else ""), value)
-
-
 @dataclass
 class AMSParams:
     """base: the scorer ranking slots inside each segment (null: "kara" under the periodic policy, "snapkv" under
@@ -461,20 +441,17 @@ class AMSParams:
         bases = sorted(set(WINDOW_BASES) | set(THRESHOLD_BASES))
         if self.base is not None and self.base not in bases:
             raise field_error("base", f"must be one of {bases} or null", self.base)
-        validate_number("segment_mass", self.segment_mass, 0.0, 1.0)
-        if self.segment_mass <= 0:
-            raise field_error("segment_mass", "must be > 0", self.segment_mass)
-        _int_at_least("min_seg_len", self.min_seg_len, 1)
-        _int_at_least("max_seg_len", self.max_seg_len, 1)
+        check_number("segment_mass", self.segment_mass, 0.0, 1.0, lo_open=True)
+        check_int("min_seg_len", self.min_seg_len, 1)
+        check_int("max_seg_len", self.max_seg_len, 1)
         if self.max_seg_len < self.min_seg_len:
             raise field_error("max_seg_len", f"must be >= min_seg_len ({self.min_seg_len})", self.max_seg_len)
-        _int_at_least("min_keep_per_segment", self.min_keep_per_segment, 0)
-        _int_at_least("n_sink", self.n_sink, 0, none_ok=True)
-        _int_at_least("keep_last", self.keep_last, 0, none_ok=True)
-        validate_number("credit_decay", self.credit_decay, 0.0, 1.0, hi_open=True)
-        validate_number("mix_beta", self.mix_beta, 0.0, 1.0)
-        if not isinstance(self.use_credit, bool):
-            raise field_error("use_credit", "must be a boolean", self.use_credit)
+        check_int("min_keep_per_segment", self.min_keep_per_segment, 0)
+        check_int("n_sink", self.n_sink, 0, none_ok=True)
+        check_int("keep_last", self.keep_last, 0, none_ok=True)
+        check_number("credit_decay", self.credit_decay, 0.0, 1.0, hi_open=True)
+        check_number("mix_beta", self.mix_beta, 0.0, 1.0)
+        check_bool("use_credit", self.use_credit)
 
     def check_common(self, common) -> None:
         table = WINDOW_BASES if common.policy == "periodic" else THRESHOLD_BASES

@@ -1,4 +1,5 @@
-"""The `Compressor` interface (pure logic: no model, engine or paging code).
+"""The `Compressor` interface (pure logic: no model, engine or paging code), and `ScoreMethod`, the base of every
+method that only scores slots: it implements `score` (and `keep` when its selection is more than a top-k).
 
 A window compressor sees a `WindowBatch`: several trailing windows, possibly of several sequences, stacked on the
 leading (layer) axis, and returns, for every row and KV head, the sorted indices of the region slots to keep. Every
@@ -18,11 +19,14 @@ from __future__ import annotations
 
 from abc import ABC
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 
 from compression.config import num_topk
+from compression.method_utils import check_budget, check_window
+from compression.primitives import topk_sorted
+from compression.registry import NoParams
 
 if TYPE_CHECKING:
     from compression.config import KVCompressionConfig
@@ -102,6 +106,8 @@ class Compressor(ABC):
     #: samples a token of a sequence using this compressor (top-k renormalised, k = `entropy_top_k`).
     needs_entropy: bool = False
     entropy_top_k: int = 10
+    #: (logits [B, V], k) -> float32 [B]: the signal recorded for each sampled token when `needs_entropy`
+    token_entropy: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
     def __init__(self, config: "KVCompressionConfig"):
         self.config = config
@@ -130,17 +136,73 @@ class Compressor(ABC):
         return self.select_prefix(batch.queries_obs, batch.keys, batch.budget)
 
 
-def check_window_inputs(queries: torch.Tensor, keys: torch.Tensor, num_region: int) -> None:
-    if queries.dim() != 4 or keys.dim() != 4:
-        raise ValueError(f"queries/keys must be [L, H, W, D], got {tuple(queries.shape)} and {tuple(keys.shape)}")
-    L, hq, w, d = queries.shape
-    lk, hkv, wk, dk = keys.shape
-    if (L, w, d) != (lk, wk, dk):
-        raise ValueError(f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} disagree on L, W or D")
-    if hkv < 1 or hq % hkv != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    if not (0 < num_region <= w):
-        raise ValueError(f"num_region must be in (0, {w}], got {num_region}")
+@dataclass
+class Span:
+    """What a score-based method scores: keys [R, Hkv, T, D] of T consecutive slots whose first ``num_scored`` are
+    the candidates; the slots after them (a window's buffer U, or the threshold policy's observation window) are
+    kept whatever the scores. ``policy`` "periodic": R = windows x ``layers`` (one window per ``layers`` rows,
+    `WindowBatch`), queries [R, Hq, T, D] of every window slot; "threshold": the whole cache (R = layers), queries
+    [L, Hq, w, D] of its last w = T - num_scored slots. queries is None for query-free methods; values, entropy
+    and generators as in `WindowBatch` / `PrefixBatch`."""
+    policy: str
+    keys: torch.Tensor
+    queries: torch.Tensor | None
+    num_scored: int
+    layers: int
+    generators: list[torch.Generator] = field(default_factory=list)
+    values: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+class ScoreMethod(Compressor):
+    """A method that only scores (kvpress's ScorerPress shape): a subclass implements `score` and declares its
+    parameter record (`params`) and `policies`; `compression.registry.register` takes both from the class. This
+    base selects for both policies: the top `num_kept` candidates of each window (periodic), the top ``budget``
+    of the prefix (threshold), ties -> lower index, NaN last; `keep` is the hook a method overrides when its
+    selection is more than a top-k of its scores (Kara's Token2Chunk, H2O's recent slots)."""
+
+    params: ClassVar[type] = NoParams
+    policies: ClassVar[tuple[str, ...]] = ("periodic", "threshold")
+
+    def score(self, span: Span) -> torch.Tensor:
+        """float32 [R, Hkv, span.num_scored]: higher is kept first."""
+        raise NotImplementedError
+
+    def keep(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """Kept indices [R, Hkv, k], ascending, from scores [R, Hkv, n] (k <= n)."""
+        return topk_sorted(scores, k)
+
+    def _runs(self, policy: str) -> None:
+        if policy not in self.policies:
+            raise NotImplementedError(f"{type(self).__name__} does not run under the {policy} policy")
+
+    def select_windows(self, batch: WindowBatch) -> torch.Tensor:
+        self._runs("periodic")
+        n = batch.num_region
+        check_window(self.config.method, batch.queries, batch.keys, n, needs_queries=self.needs_queries)
+        span = Span("periodic", batch.keys, batch.queries, n, batch.layers, batch.generators, batch.values,
+                    batch.entropy)
+        return self.keep(self.score(span), self.num_kept(n))
+
+    def select(self, queries: torch.Tensor | None, keys: torch.Tensor, num_region: int) -> torch.Tensor:
+        return self.select_windows(WindowBatch(keys, queries, num_region, keys.shape[0]))
+
+    def select_prefix(self, queries_obs: torch.Tensor, keys: torch.Tensor, budget: int) -> torch.Tensor:
+        return self._select_prefix(PrefixBatch(queries_obs, keys, budget, queries_obs.shape[2]))
+
+    def select_threshold(self, batch: PrefixBatch) -> torch.Tensor:
+        if batch.queries_obs is not None and batch.entropy is None:  # queries and keys say it all
+            return self.select_prefix(batch.queries_obs, batch.keys, batch.budget)
+        return self._select_prefix(batch)
+
+    def _select_prefix(self, batch: PrefixBatch) -> torch.Tensor:
+        self._runs("threshold")
+        check_budget(self.config.method, batch.budget)
+        keys = batch.keys
+        span = Span("threshold", keys, batch.queries_obs, keys.shape[2] - batch.obs_window, keys.shape[0],
+                    values=batch.values, entropy=batch.entropy)
+        scores = self.score(span)
+        return self.keep(scores, min(batch.budget, scores.shape[-1]))
 
 
 def num_kept(ratio: float, n: int, chunk_budget: int) -> int:
@@ -148,5 +210,5 @@ def num_kept(ratio: float, n: int, chunk_budget: int) -> int:
     return min(n, num_topk(ratio, n) + chunk_budget)
 
 
-__all__ = ["Compressor", "WindowBatch", "PrefixBatch", "Selection", "as_selection", "check_window_inputs", "num_kept",
+__all__ = ["Compressor", "ScoreMethod", "Span", "WindowBatch", "PrefixBatch", "Selection", "as_selection", "num_kept",
            "num_topk"]

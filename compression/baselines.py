@@ -29,27 +29,25 @@ import torch
 import torch.nn.functional as F
 
 from compression import registry
-from compression.base import Compressor, PrefixBatch
+from compression.base import ScoreMethod, Span
 from compression.config import field_error, num_topk
 from compression.method_utils import (
-    _is_int,
     causal_probs,
-    check_obs_window,
     check_budget,
+    check_int,
     check_k,
     check_kernel,
+    check_obs_window,
     check_threshold,
     check_window,
     group_queries,
-    layer_groups,
     obs_window_len,
     pool1d,
     select_topk,
     threshold_budget,
-    validate_kernel,
-    validate_obs_window,
 )
-from compression.snapkv import snapkv_scores, snapkv_select
+from compression.primitives import layer_groups
+from compression.snapkv import snapkv_scores
 
 SNAPKV_KERNEL = 5
 
@@ -159,8 +157,7 @@ def _recent_plus_heavy(scores: torch.Tensor, k: int, num_recent: int) -> torch.T
 def _num_recent(method: str, num_recent: int | None, k: int) -> int:
     # H2O's default split is heavy_ratio = recent_ratio (0.1 / 0.1): half of the kept slots are recent.
     r = k // 2 if num_recent is None else num_recent
-    if isinstance(r, bool) or not isinstance(r, int) or not (0 <= r <= k):
-        raise ValueError(f"{method}.num_recent must be an integer in [0, k={k}], got {num_recent!r}")
+    check_int("num_recent", r, 0, k, method=method)
     return r
 
 
@@ -236,17 +233,12 @@ def knorm_select(queries: torch.Tensor | None, keys: torch.Tensor, num_region: i
     return select_topk(knorm_scores(keys, num_region), k)
 
 
-def knorm_threshold_scores(queries_obs: torch.Tensor | None, keys: torch.Tensor, *,
-                           obs_window: int | None = None) -> torch.Tensor:
-    """-||k_j|| for the prefix [0, T - w). float32 [L, Hkv, T - w]."""
-    w = check_threshold("knorm", queries_obs, keys, obs_window)
-    return -torch.linalg.vector_norm(keys[:, :, : keys.shape[2] - w].to(torch.float32), dim=-1)
-
-
 def knorm_threshold_select(queries_obs: torch.Tensor | None, keys: torch.Tensor, budget: int, *,
                            obs_window: int | None = None) -> torch.Tensor:
+    """The lowest-norm keys of the prefix [0, T - w): LongTensor [L, Hkv, min(budget, T - w)], ascending."""
     check_budget("knorm", budget)
-    return select_topk(knorm_threshold_scores(queries_obs, keys, obs_window=obs_window), budget)
+    w = check_threshold("knorm", queries_obs, keys, obs_window)
+    return select_topk(knorm_scores(keys, keys.shape[2] - w), budget)
 
 
 # ----------------------------------------------------------------------------- registration
@@ -260,8 +252,8 @@ class SnapKVWindowParams:
     pooling: str = "avg"
 
     def validate(self) -> None:
-        validate_obs_window(self.obs_window)
-        validate_kernel("kernel", self.kernel)
+        check_int("obs_window", self.obs_window, 1, none_ok=True)
+        check_int("kernel", self.kernel, 1, odd=True)
         if self.pooling not in ("avg", "max"):
             raise field_error("pooling", "must be 'avg' or 'max'", self.pooling)
 
@@ -269,37 +261,28 @@ class SnapKVWindowParams:
         check_obs_window(self.obs_window, common)
 
 
-class SnapKVWindowCompressor(Compressor):
+class SnapKVWindowCompressor(ScoreMethod):
     """SnapKV (arXiv 2404.14469) as a window method and as a threshold method; keeps ⌈r·n⌉ per window."""
 
-    def select(self, queries, keys, num_region):
-        c = self.config
-        return snapkv_window_select(queries, keys, num_region, self.num_kept(num_region), obs_window=c.obs_window,
-                                    kernel=c.kernel, pooling=c.pooling)
+    params = SnapKVWindowParams
 
-    def select_prefix(self, queries_obs, keys, budget):
+    def score(self, span: Span) -> torch.Tensor:
         c = self.config
+        if span.policy == "periodic":
+            return snapkv_window_scores(span.queries, span.keys, span.num_scored, obs_window=c.obs_window,
+                                        kernel=c.kernel, pooling=c.pooling)
         if c.pooling == "avg":
-            return snapkv_select(snapkv_scores(queries_obs, keys, c.kernel), budget)
-        return select_topk(pool1d(snapkv_scores(queries_obs, keys, 1), c.kernel, "max"), budget)
+            return snapkv_scores(span.queries, span.keys, c.kernel)
+        return pool1d(snapkv_scores(span.queries, span.keys, 1), c.kernel, "max")
 
 
-@dataclass
-class TOVAParams:
-    """TOVA has no parameters: the newest token's attention, averaged over all query heads of the layer."""
-
-    def validate(self) -> None:
-        pass
-
-
-class TOVACompressor(Compressor):
+class TOVACompressor(ScoreMethod):
     """TOVA (arXiv 2401.06104); keeps ⌈r·n⌉ per window (one kept set per layer, shared by its KV heads)."""
 
-    def select(self, queries, keys, num_region):
-        return tova_select(queries, keys, num_region, self.num_kept(num_region))
-
-    def select_prefix(self, queries_obs, keys, budget):
-        return tova_threshold_select(queries_obs, keys, budget)
+    def score(self, span: Span) -> torch.Tensor:
+        if span.policy == "periodic":
+            return tova_scores(span.queries, span.keys, span.num_scored)
+        return tova_threshold_scores(span.queries, span.keys)
 
 
 @dataclass
@@ -309,9 +292,7 @@ class H2OParams:
     num_recent: int | None = None
 
     def validate(self) -> None:
-        if self.num_recent is not None and (not _is_int(self.num_recent) or self.num_recent < 0):
-            raise field_error("num_recent", "must be an integer >= 0 or null (half of the kept slots)",
-                              self.num_recent)
+        check_int("num_recent", self.num_recent, 0, none_ok=True)
 
     def check_common(self, common) -> None:
         if self.num_recent is None:
@@ -322,66 +303,49 @@ class H2OParams:
             raise field_error("num_recent", f"must be <= the slots kept per selection ({kept})", self.num_recent)
 
 
-class H2OCompressor(Compressor):
+class H2OCompressor(ScoreMethod):
     """H2O (arXiv 2306.14048) restricted to the window's queries; keeps ⌈r·n⌉ per window."""
 
-    def select(self, queries, keys, num_region):
-        return h2o_select(queries, keys, num_region, self.num_kept(num_region), num_recent=self.config.num_recent)
+    params = H2OParams
 
-    def select_prefix(self, queries_obs, keys, budget):
-        return h2o_threshold_select(queries_obs, keys, budget, num_recent=self.config.num_recent)
+    def score(self, span: Span) -> torch.Tensor:
+        if span.policy == "periodic":
+            return h2o_scores(span.queries, span.keys, span.num_scored)
+        return h2o_threshold_scores(span.queries, span.keys)
 
-
-@dataclass
-class KeyDiffParams:
-    """KeyDiff has no parameters (query-free: distance from the mean normalised key)."""
-
-    def validate(self) -> None:
-        pass
+    def keep(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        return _recent_plus_heavy(scores, k, _num_recent("h2o", self.config.num_recent, k))
 
 
-class KeyDiffCompressor(Compressor):
+class KeyDiffCompressor(ScoreMethod):
     """KeyDiff (arXiv 2504.15364); query-free; keeps ⌈r·n⌉ per window."""
 
     needs_queries = False
 
-    def select(self, queries, keys, num_region):
-        return keydiff_select(None, keys, num_region, self.num_kept(num_region))
-
-    def select_threshold(self, batch: PrefixBatch):
-        return keydiff_threshold_select(None, batch.keys, batch.budget, obs_window=batch.obs_window)
-
-
-@dataclass
-class KnormParams:
-    """K-norm has no parameters (query-free: the lowest-norm keys are kept)."""
-
-    def validate(self) -> None:
-        pass
+    def score(self, span: Span) -> torch.Tensor:
+        if span.policy == "periodic":
+            return keydiff_scores(span.keys, span.num_scored)
+        return keydiff_threshold_scores(None, span.keys, obs_window=span.keys.shape[2] - span.num_scored)
 
 
-class KnormCompressor(Compressor):
+class KnormCompressor(ScoreMethod):
     """K-norm (arXiv 2406.11430); query-free; keeps ⌈r·n⌉ per window."""
 
     needs_queries = False
 
-    def select(self, queries, keys, num_region):
-        return knorm_select(None, keys, num_region, self.num_kept(num_region))
-
-    def select_threshold(self, batch: PrefixBatch):
-        return knorm_threshold_select(None, batch.keys, batch.budget, obs_window=batch.obs_window)
+    def score(self, span: Span) -> torch.Tensor:
+        return knorm_scores(span.keys, span.num_scored)
 
 
-_BOTH = ("periodic", "threshold")
-registry.register("snapkv", SnapKVWindowCompressor, SnapKVWindowParams, policies=_BOTH,
+registry.register("snapkv", SnapKVWindowCompressor,
                   description="SnapKV: observation-window attention, pooled; ⌈r·n⌉ per window")
-registry.register("tova", TOVACompressor, TOVAParams, policies=_BOTH,
+registry.register("tova", TOVACompressor,
                   description="TOVA: the newest token's head-averaged attention; ⌈r·n⌉ per window")
-registry.register("h2o", H2OCompressor, H2OParams, policies=_BOTH,
+registry.register("h2o", H2OCompressor,
                   description="H2O: accumulated attention + the newest slots; ⌈r·n⌉ per window")
-registry.register("keydiff", KeyDiffCompressor, KeyDiffParams, policies=_BOTH,
+registry.register("keydiff", KeyDiffCompressor,
                   description="KeyDiff: keys least similar to the mean key (query-free); ⌈r·n⌉ per window")
-registry.register("knorm", KnormCompressor, KnormParams, policies=_BOTH,
+registry.register("knorm", KnormCompressor,
                   description="K-norm: the lowest-norm keys (query-free); ⌈r·n⌉ per window")
 
 
@@ -390,7 +354,7 @@ __all__ = [
     "tova_scores", "tova_select", "tova_threshold_scores", "tova_threshold_select",
     "h2o_scores", "h2o_select", "h2o_threshold_scores", "h2o_threshold_select",
     "keydiff_scores", "keydiff_select", "keydiff_threshold_scores", "keydiff_threshold_select",
-    "knorm_scores", "knorm_select", "knorm_threshold_scores", "knorm_threshold_select",
-    "SnapKVWindowParams", "SnapKVWindowCompressor", "TOVAParams", "TOVACompressor", "H2OParams", "H2OCompressor",
-    "KeyDiffParams", "KeyDiffCompressor", "KnormParams", "KnormCompressor",
+    "knorm_scores", "knorm_select", "knorm_threshold_select",
+    "SnapKVWindowParams", "SnapKVWindowCompressor", "TOVACompressor", "H2OParams", "H2OCompressor",
+    "KeyDiffCompressor", "KnormCompressor",
 ]

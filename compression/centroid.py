@@ -37,18 +37,16 @@ import torch.nn.functional as F
 
 from compression import registry
 from compression.base import Compressor, Selection, WindowBatch
-from compression.config import field_error
-from compression.method_utils import check_window, layer_groups
+from compression.method_utils import check_int, check_window
+from compression.primitives import layer_groups
 
 CENTROID_CHUNK_SIZE = 16
 
 
 def _check(keys: torch.Tensor, num_region: int, k: int, chunk_size: int) -> None:
     check_window("centroid", None, keys, num_region, needs_queries=False)
-    if isinstance(k, bool) or not isinstance(k, int) or not (1 <= k <= num_region):
-        raise ValueError(f"centroid.k must be an integer in [1, {num_region}], got {k!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 2:
-        raise ValueError(f"centroid.chunk_size must be an integer >= 2, got {chunk_size!r}")
+    check_int("k", k, 1, num_region, method="centroid")
+    check_int("chunk_size", chunk_size, 2, method="centroid")
 
 
 def _centroids(x: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
@@ -119,7 +117,7 @@ def centroid_merge(keys: torch.Tensor, values: torch.Tensor, num_region: int, k:
     (kept [L, Hkv, k] ascending region slots, new_keys [L, Hkv, k, D], new_values [L, Hkv, k, D]): the K/V to
     write into kept slot t is the mean of the original K/V of every region slot merged into it (computed in
     float32, returned in keys' / values' dtype). Compaction writes them with
-    `paging.compaction.CompactionJob(..., new_keys=..., new_values=...)`."""
+    `paging.compaction.CompactionJob` (its ``new_keys`` / ``new_values``)."""
     if values.shape[:3] != keys.shape[:3]:
         raise ValueError(f"centroid.values {tuple(values.shape)} must match keys {tuple(keys.shape)} on [L, Hkv, W]")
     kept, owner = centroid_clusters(keys, num_region, k, chunk_size=chunk_size)
@@ -144,9 +142,7 @@ class CentroidParams:
     chunk_size: int = CENTROID_CHUNK_SIZE
 
     def validate(self) -> None:
-        c = self.chunk_size
-        if isinstance(c, bool) or not isinstance(c, int) or c < 2:
-            raise field_error("chunk_size", "must be an integer >= 2", c)
+        check_int("chunk_size", self.chunk_size, 2)
 
 
 class CentroidCompressor(Compressor):

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
 from compression import registry
+from compression.primitives import is_int
 from compression.registry import ConfigError
 
 _PREFIX = "kv_compression"
@@ -49,10 +50,6 @@ def num_topk(ratio: float, n: int) -> int:
     if n <= 0:
         return 0
     return min(n, max(1, math.ceil(round(ratio * n, 9))))
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def field_error(name: str, what: str, value: Any) -> ConfigError:
@@ -203,7 +200,7 @@ def _validate_common(c: _Common, spec: registry.MethodSpec, relations: bool = Tr
     if math.isnan(float(c.ratio)) or not 0.0 < float(c.ratio) <= 1.0:
         raise field_error("ratio", "must be in (0, 1]", c.ratio)
     for name in _INT_FIELDS:
-        if not _is_int(getattr(c, name)):
+        if not is_int(getattr(c, name)):
             raise field_error(name, "must be an integer", getattr(c, name))
     if not isinstance(c.compress_prompt, bool):
         raise field_error("compress_prompt", "must be a boolean", c.compress_prompt)
@@ -289,11 +286,11 @@ def check_limits(cfg: KVCompressionConfig, reference: KVCompressionConfig | None
     named = getattr(cfg.params, "LIMITS", {})
     ref = reference.to_dict() if reference is not None and reference.method == cfg.method else {}
     for name, value in cfg.to_dict().items():
-        if not _is_int(value) or name == "seed":  # seeds: int64, checked with the other fields
+        if not is_int(value) or name == "seed":  # seeds: int64, checked with the other fields
             continue
         attr = named.get(name, "max_model_len")
         bound = getattr(limits, attr)
-        if value > max(bound, ref.get(name) if _is_int(ref.get(name)) else 0):
+        if value > max(bound, ref.get(name) if is_int(ref.get(name)) else 0):
             raise field_error(name, f"must be <= {bound} (this engine's {attr})", value)
 
 

@@ -52,19 +52,18 @@ from typing import ClassVar
 import torch
 
 from compression import registry
-from compression.base import Compressor, PrefixBatch, WindowBatch
-from compression.config import field_error
+from compression.base import ScoreMethod, Span
 from compression.kara import kara_scores
 from compression.method_utils import (
     check_budget,
+    check_int,
     check_k,
     check_kernel,
+    check_number,
     check_threshold,
     check_unit,
     check_window,
     select_topk,
-    validate_kernel,
-    validate_number,
 )
 from compression.snapkv import snapkv_scores
 
@@ -196,35 +195,32 @@ class InfoKVParams:
     kernel: int = INFOKV_KERNEL
 
     def validate(self) -> None:
-        validate_number("lam", self.lam, 0.0, 1.0)
-        validate_number("rho", self.rho, 0.0, 1.0)
-        k = self.entropy_top_k
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise field_error("entropy_top_k", "must be an integer >= 1", k)
-        validate_kernel("kernel", self.kernel)
+        check_number("lam", self.lam, 0.0, 1.0)
+        check_number("rho", self.rho, 0.0, 1.0)
+        check_int("entropy_top_k", self.entropy_top_k, 1)
+        check_int("kernel", self.kernel, 1, odd=True)
 
 
-class InfoKVCompressor(Compressor):
+class InfoKVCompressor(ScoreMethod):
     """InfoKV-style: attention share mixed with the sampling-entropy share; ⌈r·n⌉ per window."""
 
+    params = InfoKVParams
     needs_entropy = True
+    #: what the engine records per sampled token (compression/stage.py `record_entropy`)
+    token_entropy = staticmethod(topk_entropy)
 
     def __init__(self, config):
         super().__init__(config)
         self.entropy_top_k = config.entropy_top_k
 
-    def select_windows(self, batch: WindowBatch):
+    def score(self, span: Span) -> torch.Tensor:
         c = self.config
-        n = batch.num_region
-        return infokv_select(batch.queries, batch.keys, n, self.num_kept(n), batch.entropy, lam=c.lam, rho=c.rho)
-
-    def select_threshold(self, batch: PrefixBatch):
-        c = self.config
-        return infokv_threshold_select(batch.queries_obs, batch.keys, batch.budget, batch.entropy, lam=c.lam,
-                                       rho=c.rho, kernel=c.kernel)
+        if span.policy == "periodic":
+            return infokv_window_scores(span.queries, span.keys, span.num_scored, span.entropy, lam=c.lam, rho=c.rho)
+        return infokv_threshold_scores(span.queries, span.keys, span.entropy, lam=c.lam, rho=c.rho, kernel=c.kernel)
 
 
-registry.register("infokv", InfoKVCompressor, InfoKVParams, policies=("periodic", "threshold"),
+registry.register("infokv", InfoKVCompressor,
                   description="InfoKV-style: attention + top-k sampling entropy per token; ⌈r·n⌉ per window")
 
 

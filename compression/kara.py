@@ -4,31 +4,14 @@ its ablations, and the random / recency window baselines. Pure torch, batched ov
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from dataclasses import dataclass
-
 from compression import registry
-from compression.base import Compressor, WindowBatch, check_window_inputs, num_kept, num_topk
-from compression.config import field_error
-
-# Above this many float32 logits, kara_scores processes groups of layers at a time (bounds peak memory; the
-# layers in one group are still batched). On a GPU 1 << 27 floats = 512 MiB; on a CPU the group is kept near the
-# last-level cache (16 MiB), since a softmax and sum over logits that spill to DRAM ran ~3x slower there.
-MAX_LOGIT_ELEMS = 1 << 27
-MAX_LOGIT_ELEMS_CPU = 1 << 22
-
-
-def logit_cap(cap: int, device: torch.device | None) -> int:
-    """``cap`` elements per layer group, at most MAX_LOGIT_ELEMS_CPU on a CPU device."""
-    return cap if device is None or device.type != "cpu" else min(cap, MAX_LOGIT_ELEMS_CPU)
-
-
-def _layer_groups(L: int, per_layer_elems: int, device: torch.device | None = None) -> list[tuple[int, int]]:
-    cap = logit_cap(MAX_LOGIT_ELEMS, device)
-    step = max(1, min(L, cap // max(1, per_layer_elems)))
-    return [(s, min(L, s + step)) for s in range(0, L, step)]
+from compression.base import ScoreMethod, Span, WindowBatch, num_kept, num_topk
+from compression.method_utils import check_bool, check_int, check_window_inputs
+from compression.primitives import layer_groups, topk_sorted
 
 
 def kara_scores(queries: torch.Tensor, keys: torch.Tensor, num_region: int, *, query_start: int = 0) -> torch.Tensor:
@@ -49,25 +32,13 @@ def kara_scores(queries: torch.Tensor, keys: torch.Tensor, num_region: int, *, q
     wq = w - query_start
     scale = 1.0 / math.sqrt(d)
     out = torch.empty(L, hkv, num_region, dtype=torch.float32, device=keys.device)
-    for l0, l1 in _layer_groups(L, hq * wq * num_region, keys.device):
+    for l0, l1 in layer_groups(L, hq * wq * num_region, keys.device):
         # Query head h = kv * g + j, so [Hq, Wq] -> [Hkv, g * Wq] keeps each group's queries together.
         q = queries[l0:l1, :, query_start:].to(torch.float32).reshape(l1 - l0, hkv, g * wq, d) * scale
         k = keys[l0:l1, :, :num_region].to(torch.float32)
         probs = torch.softmax(torch.matmul(q, k.transpose(-1, -2)), dim=-1)  # [l, Hkv, g*Wq, n]
         out[l0:l1] = probs.sum(dim=-2)
     return out
-
-
-def _desc_order(scores: torch.Tensor) -> torch.Tensor:
-    """Indices sorting the last axis by score, best first; ties -> lower index first; NaN counts as -inf."""
-    s = torch.nan_to_num(scores.to(torch.float32), nan=float("-inf"))
-    return torch.sort(s, dim=-1, descending=True, stable=True).indices
-
-
-def topk_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The k best positions along the last axis (ties -> lower index), returned in ascending index order."""
-    k = min(k, scores.shape[-1])
-    return _desc_order(scores)[..., :k].sort(dim=-1).values
 
 
 def token2chunk(scores: torch.Tensor, num_topk: int, chunk_max: int, chunk_budget: int) -> torch.Tensor:
@@ -139,21 +110,17 @@ class KaraParams:
     buffer_queries: bool = False
 
     def validate(self) -> None:
-        for name in ("chunk_max", "chunk_budget"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise field_error(name, "must be an integer", v)
-        if self.chunk_max < 1:
-            raise field_error("chunk_max", "must be >= 1", self.chunk_max)
-        if self.chunk_budget < 0:
-            raise field_error("chunk_budget", "must be >= 0", self.chunk_budget)
-        for name in ("token2chunk", "buffer_queries"):
-            if not isinstance(getattr(self, name), bool):
-                raise field_error(name, "must be a boolean", getattr(self, name))
+        check_int("chunk_max", self.chunk_max, 1)
+        check_int("chunk_budget", self.chunk_budget, 0)
+        check_bool("token2chunk", self.token2chunk)
+        check_bool("buffer_queries", self.buffer_queries)
 
 
-class Kara(Compressor):
-    """Kara window compressor (its ablations through `KaraParams`)."""
+class Kara(ScoreMethod):
+    """Kara window compressor (its ablations through `KaraParams`): scores by eq. 3, keeps by Token2Chunk."""
+
+    params = KaraParams
+    policies = ("periodic",)
 
     def __init__(self, config, *, token2chunk: bool | None = None, buffer_queries_only: bool | None = None):
         super().__init__(config)
@@ -163,20 +130,20 @@ class Kara(Compressor):
     def num_kept(self, num_region: int) -> int:
         return num_kept(self.config.ratio, num_region, self.config.chunk_budget)
 
-    def scores(self, queries: torch.Tensor, keys: torch.Tensor, num_region: int) -> torch.Tensor:
+    def score(self, span: Span) -> torch.Tensor:
+        q, k, n = span.queries, span.keys, span.num_scored
+        check_window_inputs(q, k, n)
         if self.buffer_queries_only:
-            if num_region >= queries.shape[2]:
+            if n >= q.shape[2]:
                 raise ValueError("kara_buffer_queries needs a non-empty buffer (num_region < window length)")
-            return kara_scores(queries, keys, num_region, query_start=num_region)
-        return kara_scores(queries, keys, num_region)
+            return kara_scores(q, k, n, query_start=n)
+        return kara_scores(q, k, n)
 
-    def select(self, queries: torch.Tensor, keys: torch.Tensor, num_region: int) -> torch.Tensor:
-        check_window_inputs(queries, keys, num_region)
-        a = self.scores(queries, keys, num_region)
+    def keep(self, scores: torch.Tensor, k: int) -> torch.Tensor:
         c = self.config
         if self.use_token2chunk:
-            return token2chunk(a, num_topk(c.ratio, num_region), c.chunk_max, c.chunk_budget)
-        return topk_sorted(a, self.num_kept(num_region))
+            return token2chunk(scores, num_topk(c.ratio, scores.shape[-1]), c.chunk_max, c.chunk_budget)
+        return topk_sorted(scores, k)
 
 
 @dataclass
@@ -185,69 +152,55 @@ class BudgetParams:
     chunk_budget: int = 16
 
     def validate(self) -> None:
-        if not isinstance(self.chunk_budget, int) or isinstance(self.chunk_budget, bool):
-            raise field_error("chunk_budget", "must be an integer", self.chunk_budget)
-        if self.chunk_budget < 0:
-            raise field_error("chunk_budget", "must be >= 0", self.chunk_budget)
+        check_int("chunk_budget", self.chunk_budget, 0)
 
 
-class RandomCompressor(Compressor):
+class RandomCompressor(ScoreMethod):
     """Keeps ⌈r·n⌉ + α uniformly random region positions per (layer, head). Each window draws from its own
     sequence's generator (seeded with ``config.seed``), so a run is reproducible whatever else is batched with it;
     `select` (no batch) uses a generator of its own, seeded at construction."""
 
-    needs_queries = False
+    params, policies, needs_queries = BudgetParams, ("periodic",), False
 
     def __init__(self, config):
         super().__init__(config)
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(config.seed)
+        self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
+
+    def select(self, queries, keys: torch.Tensor, num_region: int) -> torch.Tensor:
+        return self.select_windows(WindowBatch(keys, queries, num_region, keys.shape[0], [self.generator]))
 
     def num_kept(self, num_region: int) -> int:
         return num_kept(self.config.ratio, num_region, self.config.chunk_budget)
 
-    def _draw(self, rows: int, hkv: int, num_region: int, generator: torch.Generator) -> torch.Tensor:
-        noise = torch.rand(rows, hkv, num_region, generator=generator)
-        return noise.topk(self.num_kept(num_region), dim=-1).indices.sort(dim=-1).values
+    def score(self, span: Span) -> torch.Tensor:
+        hkv = span.keys.shape[1]
+        noise = [torch.rand(span.layers, hkv, span.num_scored, generator=g) for g in span.generators]
+        return torch.cat(noise).to(span.keys.device)
 
-    def select(self, queries, keys: torch.Tensor, num_region: int) -> torch.Tensor:
-        if queries is not None:
-            check_window_inputs(queries, keys, num_region)
-        L, hkv = keys.shape[:2]
-        return self._draw(L, hkv, num_region, self.generator).to(keys.device)
-
-    def select_windows(self, batch: WindowBatch) -> torch.Tensor:
-        hkv = batch.keys.shape[1]
-        draws = [self._draw(batch.layers, hkv, batch.num_region, g) for g in batch.generators]
-        return torch.cat(draws).to(batch.keys.device)
+    def keep(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        return scores.topk(k, dim=-1).indices.sort(dim=-1).values
 
 
-class RecentCompressor(Compressor):
+class RecentCompressor(RandomCompressor):
     """StreamingLLM-style recency inside the window: keep the newest ⌈r·n⌉ + α region positions (those next to
     the buffer), the same for every layer and head. StreamingLLM's attention sinks are the sequence's first
     tokens, i.e. in the prompt, which is kept intact unless ``compress_prompt`` is set."""
 
-    needs_queries = False
+    def score(self, span: Span) -> torch.Tensor:
+        n = span.num_scored
+        return torch.arange(n, dtype=torch.float32, device=span.keys.device).expand(*span.keys.shape[:2], n)
 
-    def num_kept(self, num_region: int) -> int:
-        return num_kept(self.config.ratio, num_region, self.config.chunk_budget)
-
-    def select(self, queries, keys: torch.Tensor, num_region: int) -> torch.Tensor:
-        if queries is not None:
-            check_window_inputs(queries, keys, num_region)
-        L, hkv = keys.shape[:2]
-        k = self.num_kept(num_region)
-        return torch.arange(num_region - k, num_region, device=keys.device).expand(L, hkv, k).clone()
+    keep = ScoreMethod.keep
 
 
-registry.register("kara", Kara, KaraParams, description="Kara: bidirectional window scores + Token2Chunk")
-registry.register("kara_no_chunk", Kara, KaraParams, defaults={"token2chunk": False},
+registry.register("kara", Kara, description="Kara: bidirectional window scores + Token2Chunk")
+registry.register("kara_no_chunk", Kara, defaults={"token2chunk": False},
                   description="Kara ablation: top ⌈r·n⌉ + α by score, no Token2Chunk")
-registry.register("kara_buffer_queries", Kara, KaraParams, defaults={"buffer_queries": True},
+registry.register("kara_buffer_queries", Kara, defaults={"buffer_queries": True},
                   description="Kara ablation: scores from the buffer's queries only")
-registry.register("random", RandomCompressor, BudgetParams, description="⌈r·n⌉ + α random region slots")
-registry.register("streaming", RecentCompressor, BudgetParams, description="the newest ⌈r·n⌉ + α region slots")
+registry.register("random", RandomCompressor, description="⌈r·n⌉ + α random region slots")
+registry.register("streaming", RecentCompressor, description="the newest ⌈r·n⌉ + α region slots")
 
 
-__all__ = ["kara_scores", "token2chunk", "topk_sorted", "Kara", "KaraParams", "RandomCompressor", "RecentCompressor",
-           "BudgetParams", "num_kept"]
+__all__ = ["kara_scores", "token2chunk", "Kara", "KaraParams", "RandomCompressor", "RecentCompressor", "BudgetParams",
+           "num_kept"]

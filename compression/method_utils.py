@@ -1,6 +1,8 @@
 """Shared helpers of the neighbouring compression methods (compression/rkv.py, ams.py, infokv.py, centroid.py,
 baselines.py): input checks that name the offending parameter, layer grouping that bounds peak memory, GQA
-reshapes, attention probabilities, pooling and the common top-k (ties -> lower index, NaN -> -inf).
+reshapes, attention probabilities, pooling; and the one validator family (`check_int`, `check_number`), for
+function arguments (ValueError naming ``<method>.<arg>``) and parameter records (ConfigError naming
+``kv_compression.<field>``) alike.
 
 Conventions shared by every method module:
   * window methods take ``queries [L, Hq, W, D]`` (post-RoPE, may be None for query-free methods),
@@ -17,20 +19,74 @@ import math
 import torch
 import torch.nn.functional as F
 
-from compression.base import check_window_inputs
 from compression.config import field_error
-from compression.kara import logit_cap, topk_sorted
-
-# Above this many float32 elements in one [layers, ...] intermediate, work on groups of layers (same bounds as
-# compression/kara.py: 1 << 27 floats = 512 MiB, near the last-level cache on a CPU).
-MAX_ELEMS = 1 << 27
+from compression.primitives import MAX_ELEMS, finite_scores, is_int, layer_groups, topk_sorted
 
 
-def layer_groups(L: int, per_layer_elems: int, device: torch.device | None = None) -> list[tuple[int, int]]:
-    """[l0, l1) ranges covering [0, L) with at most MAX_ELEMS // per_layer_elems layers each (at least one; on a
-    CPU device the cap is compression/kara.py's MAX_LOGIT_ELEMS_CPU)."""
-    step = max(1, min(L, logit_cap(MAX_ELEMS, device) // max(1, per_layer_elems)))
-    return [(s, min(L, s + step)) for s in range(0, L, step)]
+# ----------------------------------------------------------------------------- the validator family
+def _fail(method: str | None, name: str, what: str, value) -> Exception:
+    """A function argument (``method`` given) is a ValueError naming ``<method>.<name>``; a parameter-record field
+    (method None) a ConfigError naming ``kv_compression.<name>``."""
+    return field_error(name, what, value) if method is None else ValueError(f"{method}.{name} {what}, got {value!r}")
+
+
+def check_int(name: str, value, lo: int, hi: int | None = None, *, odd: bool = False, none_ok: bool = False,
+              method: str | None = None) -> None:
+    """An integer (not a bool) in [lo, hi] (hi None: unbounded), odd if asked, or None when ``none_ok``."""
+    if value is None and none_ok:
+        return
+    if not is_int(value) or value < lo or (hi is not None and value > hi) or (odd and value % 2 == 0):
+        what = (f"an integer in [{lo}, {hi}]" if hi is not None else
+                f"an odd integer >= {lo}" if odd else f"an integer >= {lo}")
+        raise _fail(method, name, "must be " + what + (" or null" if none_ok else ""), value)
+
+
+def check_number(name: str, value, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False,
+                 method: str | None = None) -> float:
+    """A real number (not a bool, not NaN) in [lo, hi], either end optionally open."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(float(value))
+    if ok:
+        v = float(value)
+        ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if not ok:
+        raise _fail(method, name, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}",
+                    value)
+    return float(value)
+
+
+def check_bool(name: str, value, method: str | None = None) -> None:
+    if not isinstance(value, bool):
+        raise _fail(method, name, "must be a boolean", value)
+
+
+def check_unit(method: str, name: str, value: float, lo_open: bool = False, hi_open: bool = False) -> float:
+    """A number in [0, 1] (ends optionally open)."""
+    return check_number(name, value, 0, 1, lo_open=lo_open, hi_open=hi_open, method=method)
+
+
+def check_k(method: str, k: int, n: int, name: str = "k") -> None:
+    check_int(name, k, 0, n, method=method)
+
+
+def check_budget(method: str, budget: int) -> None:
+    check_int("budget", budget, 0, method=method)
+
+
+def check_kernel(method: str, kernel: int, name: str = "kernel") -> None:
+    check_int(name, kernel, 1, odd=True, method=method)
+
+
+def check_window_inputs(queries: torch.Tensor, keys: torch.Tensor, num_region: int) -> None:
+    if queries.dim() != 4 or keys.dim() != 4:
+        raise ValueError(f"queries/keys must be [L, H, W, D], got {tuple(queries.shape)} and {tuple(keys.shape)}")
+    L, hq, w, d = queries.shape
+    lk, hkv, wk, dk = keys.shape
+    if (L, w, d) != (lk, wk, dk):
+        raise ValueError(f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} disagree on L, W or D")
+    if hkv < 1 or hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if not (0 < num_region <= w):
+        raise ValueError(f"num_region must be in (0, {w}], got {num_region}")
 
 
 def check_window(method: str, queries: torch.Tensor | None, keys: torch.Tensor, num_region: int,
@@ -70,33 +126,6 @@ def check_threshold(method: str, queries_obs: torch.Tensor | None, keys: torch.T
     if not (1 <= w < T):
         raise ValueError(f"{method}: need 1 <= observation window ({w}) < number of keys ({T})")
     return w
-
-
-def check_k(method: str, k: int, n: int, name: str = "k") -> None:
-    if isinstance(k, bool) or not isinstance(k, int) or not (0 <= k <= n):
-        raise ValueError(f"{method}.{name} must be an integer in [0, {n}], got {k!r}")
-
-
-def check_budget(method: str, budget: int) -> None:
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise ValueError(f"{method}.budget must be an integer >= 0, got {budget!r}")
-
-
-def check_kernel(method: str, kernel: int, name: str = "kernel") -> None:
-    if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
-        raise ValueError(f"{method}.{name} must be an odd integer >= 1, got {kernel!r}")
-
-
-def check_unit(method: str, name: str, value: float, lo_open: bool = False, hi_open: bool = False) -> float:
-    """A number in [0, 1] (ends optionally open)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(float(value))
-    if ok:
-        v = float(value)
-        ok = (v > 0 if lo_open else v >= 0) and (v < 1 if hi_open else v <= 1)
-    if not ok:
-        lo, hi = "(" if lo_open else "[", ")" if hi_open else "]"
-        raise ValueError(f"{method}.{name} must be in {lo}0, 1{hi}, got {value!r}")
-    return float(value)
 
 
 def obs_window_len(method: str, obs_window: int | None, w: int, num_region: int) -> int:
@@ -145,22 +174,6 @@ def pool1d(x: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
     return out.reshape(shape)
 
 
-def finite_scores(scores: torch.Tensor) -> torch.Tensor:
-    """float32 copy with NaN -> -inf (NaN scores rank last)."""
-    return torch.nan_to_num(scores.to(torch.float32), nan=float("-inf"))
-
-
-def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The k best positions per row (ties -> lower index, NaN -> -inf), ascending. Same as kara.topk_sorted."""
-    return topk_sorted(scores, k)
-
-
-# ----------------------------------------------------------------------------- parameter records
-def _is_int(v) -> bool:
-    """An int that is not a bool (JSON true must not pass as 1)."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def check_obs_window(obs_window, common) -> None:
     """The window policy's observation queries must lie in the buffer; the threshold policy observes the last
     ``observation_window`` tokens (a common field) instead, so a per-method obs_window there would be ignored."""
@@ -174,29 +187,16 @@ def check_obs_window(obs_window, common) -> None:
                           obs_window)
 
 
-def validate_obs_window(obs_window) -> None:
-    if obs_window is not None and (not _is_int(obs_window) or obs_window < 1):
-        raise field_error("obs_window", "must be an integer >= 1 or null (the whole buffer)", obs_window)
-
-
-def validate_kernel(name: str, kernel) -> None:
-    if not _is_int(kernel) or kernel < 1 or kernel % 2 == 0:
-        raise field_error(name, "must be an odd integer >= 1", kernel)
-
-
-def validate_number(name: str, value, lo: float, hi: float, hi_open: bool = False) -> None:
-    """A parameter-record field that must be a real number in [lo, hi] (or [lo, hi)); raises naming it."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(float(value))
-    if not ok or not lo <= value <= hi or (hi_open and value >= hi):
-        raise field_error(name, f"must be a number in [{lo:g}, {hi:g}{')' if hi_open else ']'}", value)
-
-
 def threshold_budget(common) -> int:
     """Prefix slots a threshold event keeps (every event scores more than that many: T - w > N - w)."""
     return common.threshold_target - common.observation_window
 
 
 
-__all__ = ["MAX_ELEMS", "layer_groups", "check_window", "check_threshold", "check_k", "check_budget", "check_kernel",
-           "check_unit", "obs_window_len", "group_queries", "causal_probs", "pool1d", "finite_scores", "select_topk",
-           "check_obs_window", "validate_obs_window", "validate_kernel", "validate_number", "threshold_budget"]
+#: the common top-k, under the name the method modules use
+select_topk = topk_sorted
+
+__all__ = ["MAX_ELEMS", "layer_groups", "check_window_inputs", "check_window", "check_threshold", "check_int",
+           "check_number", "check_bool", "check_k", "check_budget", "check_kernel", "check_unit", "obs_window_len",
+           "group_queries", "causal_probs", "pool1d", "finite_scores", "select_topk", "check_obs_window",
+           "threshold_budget"]

@@ -1,6 +1,8 @@
 """Method registry: a KV-compression method is a name, a compressor factory, its own parameter dataclass and the
 policies it runs under. A new method is one new module that calls `register` (and one import line in
-compression/__init__.py); the config, the engine, the HTTP API and the CLI pick it up from here.
+compression/__init__.py); the config, the engine, the HTTP API and the CLI pick it up from here. A method class
+(compression/base.py `ScoreMethod`) carries its parameter record and policies, so ``register(name, cls)`` is all
+it takes; registering at run time reaches every engine of the process (they look names up here per request).
 
 Policies: ``"periodic"`` (KvLLM rounds over complete trailing windows, arXiv 2607.01237 §3.3) and
 ``"threshold"`` (the whole cache is compressed to a target length once it reaches a trigger length).
@@ -45,9 +47,13 @@ class MethodSpec:
 _REGISTRY: dict[str, MethodSpec] = {}
 
 
-def register(name: str, factory: Callable[[Any], Any] | None, params: type = NoParams,
-             policies: tuple[str, ...] = ("periodic",), defaults: dict[str, Any] | None = None,
+def register(name: str, factory: Callable[[Any], Any] | None, params: type | None = None,
+             policies: tuple[str, ...] | None = None, defaults: dict[str, Any] | None = None,
              description: str = "") -> MethodSpec:
+    """``params`` / ``policies`` default to the factory's own (`ScoreMethod.params` / ``.policies``), else to
+    `NoParams` / periodic only."""
+    params = params or getattr(factory, "params", NoParams)
+    policies = policies or getattr(factory, "policies", ("periodic",))
     if name in _REGISTRY:
         raise ValueError(f"KV-compression method {name!r} is already registered")
     bad = [p for p in policies if p not in POLICIES]
@@ -59,6 +65,11 @@ def register(name: str, factory: Callable[[Any], Any] | None, params: type = NoP
         raise ValueError(f"method {name!r}: defaults for unknown parameters {sorted(unknown)}")
     _REGISTRY[name] = spec
     return spec
+
+
+def unregister(name: str) -> None:
+    """Remove a method (one registered at run time, e.g. by a test)."""
+    del _REGISTRY[name]
 
 
 def get(name: Any) -> MethodSpec:

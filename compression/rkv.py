@@ -37,23 +37,22 @@ import torch
 import torch.nn.functional as F
 
 from compression import registry
-from compression.base import Compressor
+from compression.base import ScoreMethod, Span
 from compression.method_utils import (
     check_budget,
+    check_int,
     check_k,
     check_kernel,
+    check_number,
     check_obs_window,
     check_threshold,
     check_unit,
     check_window,
     group_queries,
-    layer_groups,
     obs_window_len,
     select_topk,
-    validate_kernel,
-    validate_number,
-    validate_obs_window,
 )
+from compression.primitives import layer_groups
 
 RKV_LAMBDA = 0.1
 RKV_KERNEL = 7
@@ -169,30 +168,29 @@ class RKVParams:
     obs_window: int | None = None
 
     def validate(self) -> None:
-        validate_number("lam", self.lam, 0.0, 1.0)
-        validate_number("sim_threshold", self.sim_threshold, -1.0, 1.0)
-        validate_kernel("kernel", self.kernel)
-        validate_obs_window(self.obs_window)
+        check_number("lam", self.lam, 0.0, 1.0)
+        check_number("sim_threshold", self.sim_threshold, -1.0, 1.0)
+        check_int("kernel", self.kernel, 1, odd=True)
+        check_int("obs_window", self.obs_window, 1, none_ok=True)
 
     def check_common(self, common) -> None:
         check_obs_window(self.obs_window, common)
 
 
-class RKVCompressor(Compressor):
+class RKVCompressor(ScoreMethod):
     """R-KV: λ·importance − (1 − λ)·redundancy, top ⌈r·n⌉ per window (or the threshold budget)."""
 
-    def select(self, queries, keys, num_region):
+    params = RKVParams
+
+    def score(self, span: Span) -> torch.Tensor:
         c = self.config
-        return rkv_select(queries, keys, num_region, self.num_kept(num_region), obs_window=c.obs_window, lam=c.lam,
-                          kernel=c.kernel, sim_threshold=c.sim_threshold)
-
-    def select_prefix(self, queries_obs, keys, budget):
-        c = self.config
-        return rkv_threshold_select(queries_obs, keys, budget, lam=c.lam, kernel=c.kernel,
-                                    sim_threshold=c.sim_threshold)
+        kw = dict(lam=c.lam, kernel=c.kernel, sim_threshold=c.sim_threshold)
+        if span.policy == "periodic":
+            return rkv_window_scores(span.queries, span.keys, span.num_scored, obs_window=c.obs_window, **kw)
+        return rkv_scores(span.queries, span.keys, **kw)
 
 
-registry.register("rkv", RKVCompressor, RKVParams, policies=("periodic", "threshold"),
+registry.register("rkv", RKVCompressor,
                   description="R-KV: attention importance minus key redundancy; ⌈r·n⌉ per window")
 
 

@@ -12,29 +12,22 @@ import torch
 from compression.base import PrefixBatch, WindowBatch, as_selection
 from compression.config import KVCompressionConfig
 from compression.state import CompressionState
-from paging.compaction import CompactionRequest
-
-
-@dataclass
-class Job:
-    """One sequence's part of a prepared round: its compaction, the region slots it keeps, and its bookkeeping once
-    the compaction is done."""
-    request: CompactionRequest
-    kept: int
-    merged: bool
-    done: Callable[[], None]
+from paging.compaction import CompactionJob
 
 
 @dataclass
 class PreparedRound:
-    """A prepared round: nothing in the cache has changed yet."""
-    jobs: list[Job] = field(default_factory=list)
+    """A prepared round: nothing in the cache has changed yet. ``done[i]``: job i's bookkeeping once the KV manager
+    has compacted it."""
+    jobs: list[CompactionJob] = field(default_factory=list)
+    done: list[Callable[[], None]] = field(default_factory=list)
     own_time: dict[str, float] = field(default_factory=dict)  # each method's selection seconds
     queries: list[tuple[str, int, int]] = field(default_factory=list)  # (method, cached, recomputed) tokens
     device: torch.device | None = None
 
     def extend(self, other: "PreparedRound") -> None:
         self.jobs += other.jobs
+        self.done += other.done
         self.queries += other.queries
         for name, t in other.own_time.items():
             self.own_time[name] = self.own_time.get(name, 0.0) + t
@@ -116,14 +109,13 @@ def window_jobs(candidates: list, kv: Any, queries: Callable, compressor: Callab
             part = kept[rows].view(num_windows, L, kept.shape[1], K)  # explicit Hkv: no -1 to infer
             shift = (torch.arange(num_windows, device=part.device) * n).view(-1, 1, 1, 1)
             rel = (part + shift).permute(1, 2, 0, 3).reshape(L, part.shape[2], num_windows * K)
-            req = CompactionRequest(seq, seq.compression.compressed_kv_len, num_windows * n, rel)
+            job = CompactionJob.of(seq, seq.compression.compressed_kv_len, num_windows * n, rel)
             if sel.merges:  # window-major within each (layer, head), like `rel`
-                req.new_keys, req.new_values = (
+                job.new_keys, job.new_values = (
                     t[rows].view(num_windows, L, t.shape[1], K, -1).permute(1, 2, 0, 3, 4)
                     .reshape(L, t.shape[1], num_windows * K, -1) for t in (sel.new_keys, sel.new_values))
-            slots = num_windows * K
-            out.jobs.append(Job(req, slots, sel.merges,
-                                 lambda st=seq.compression, r=req.region_len, k=slots: st.advance(r, k)))
+            out.jobs.append(job)
+            out.done.append(lambda st=seq.compression, r=job.region_len, k=num_windows * K: st.advance(r, k))
         out.own_time[cfg.method] = out.own_time.get(cfg.method, 0.0) + time.perf_counter() - t_cfg
     return out
 
@@ -154,12 +146,10 @@ def threshold_jobs(seqs: list, kv: Any, queries: Callable, compressor: Callable)
                             values=kv.gather_values(seq, 0, T) if comp.needs_values else None,
                             entropy=ent.to(out.device) if ent is not None else None, slot_state=st.slot_state)
         sel = as_selection(comp.select_threshold(batch))
-        req = CompactionRequest(seq, 0, T - w, sel.kept, sel.new_keys, sel.new_values)
+        out.jobs.append(CompactionJob.of(seq, 0, T - w, sel.kept, sel.new_keys, sel.new_values))
         # per-slot state follows the kept slots (applied once the compaction is done)
         new_ent = compact_slot_state(ent, 0, T - w, sel.kept.cpu()) if ent is not None else None
-        out.jobs.append(Job(req, int(sel.kept.shape[-1]), sel.merges,
-                             lambda st=st, sel=sel, new_ent=new_ent, seq=seq: _after_threshold(st, sel, new_ent,
-                                                                                               seq)))
+        out.done.append(lambda st=st, sel=sel, new_ent=new_ent, seq=seq: _after_threshold(st, sel, new_ent, seq))
         out.own_time[cfg.method] = out.own_time.get(cfg.method, 0.0) + time.perf_counter() - t_seq
     return out
 

@@ -10,16 +10,15 @@ per KV head.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from dataclasses import dataclass
-
 from compression import registry
-from compression.base import Compressor
-from compression.config import field_error
-from compression.kara import MAX_LOGIT_ELEMS, logit_cap, topk_sorted
+from compression.base import ScoreMethod, Span
+from compression.method_utils import check_int
+from compression.primitives import layer_groups, topk_sorted
 
 
 def snapkv_scores(queries_obs: torch.Tensor, keys: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -46,9 +45,7 @@ def snapkv_scores(queries_obs: torch.Tensor, keys: torch.Tensor, kernel: int) ->
     masked = masked.repeat(g, 1)  # rows ordered (group member, query)
     scale = 1.0 / math.sqrt(d)
     summed = torch.empty(L, hkv, n, dtype=torch.float32, device=dev)
-    step = max(1, min(L, logit_cap(MAX_LOGIT_ELEMS, dev) // max(1, hq * w * T)))
-    for l0 in range(0, L, step):
-        l1 = min(L, l0 + step)
+    for l0, l1 in layer_groups(L, hq * w * T, dev):
         q = queries_obs[l0:l1].to(torch.float32).reshape(l1 - l0, hkv, g * w, d) * scale
         k = keys[l0:l1].to(torch.float32)
         logits = torch.matmul(q, k.transpose(-1, -2)).masked_fill(masked, float("-inf"))
@@ -72,21 +69,21 @@ class SnapKVParams:
     snapkv_kernel: int = 5
 
     def validate(self) -> None:
-        k = self.snapkv_kernel
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1 or k % 2 == 0:
-            raise field_error("snapkv_kernel", "must be an odd integer >= 1", k)
+        check_int("snapkv_kernel", self.snapkv_kernel, 1, odd=True)
 
 
-class SnapKVCompressor(Compressor):
+class SnapKVCompressor(ScoreMethod):
     """Threshold-triggered SnapKV (method "threshold"): ``select_prefix(queries_obs, keys, budget)`` takes the
     queries of the last w slots and the keys of all T = kv_len slots and returns kept indices
     [L, Hkv, min(budget, T − w)] into the prefix [0, T − w); the caller keeps the w window slots after them."""
 
-    def select_prefix(self, queries_obs: torch.Tensor, keys: torch.Tensor, budget: int) -> torch.Tensor:
-        return snapkv_select(snapkv_scores(queries_obs, keys, self.config.snapkv_kernel), budget)
+    params, policies = SnapKVParams, ("threshold",)
+
+    def score(self, span: Span) -> torch.Tensor:
+        return snapkv_scores(span.queries, span.keys, self.config.snapkv_kernel)
 
 
-registry.register("threshold", SnapKVCompressor, SnapKVParams, policies=("threshold",),
+registry.register("threshold", SnapKVCompressor,
                   description="SnapKV threshold baseline: compress the whole cache to N once it reaches C_max")
 
 __all__ = ["snapkv_scores", "snapkv_select", "SnapKVCompressor", "SnapKVParams"]

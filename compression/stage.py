@@ -38,7 +38,7 @@ from compression.config import KVCompressionConfig, Limits, check_limits, coerce
 from compression.rounds import PreparedRound, threshold_jobs, window_jobs
 from compression.state import CompressionState, EntropyStore
 from compression.stats import RoundStats
-from paging.compaction import CompactionRequest
+from paging.compaction import CompactionJob
 
 
 class Sequence(Protocol):
@@ -59,7 +59,7 @@ QueryFn = Callable[[list[tuple[Any, int, int]]], torch.Tensor]
 class KVManager(Protocol):
     def gather_keys(self, seq: Sequence, start: int, length: int) -> torch.Tensor: ...
     def gather_values(self, seq: Sequence, start: int, length: int) -> torch.Tensor: ...
-    def compact(self, jobs: list["CompactionRequest"]) -> list[int]: ...
+    def compact(self, jobs: list[CompactionJob]) -> list[int]: ...
 
 
 class CompressionStage:
@@ -108,7 +108,7 @@ class CompressionStage:
         st = CompressionState(cfg, start, query_source=source, kept_per_window=kept,
                               max_tail=self.limits.max_model_len if self.limits is not None else None)
         if comp.needs_entropy:
-            st.entropy, st.entropy_top_k = EntropyStore(), comp.entropy_top_k
+            st.entropy, st.entropy_top_k, st.entropy_fn = EntropyStore(), comp.entropy_top_k, comp.token_entropy
         return st
 
     def compressor(self, cfg: KVCompressionConfig):
@@ -148,15 +148,15 @@ class CompressionStage:
 
     def record_entropy(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Any, BaseException]]:
         """Called by the engine with the logits each of `seqs` samples its next token from (rows in order): for
-        the sequences whose method needs it, the top-k renormalised entropy (compression/infokv.py
-        `topk_entropy`) is stored at the logical position the sampled token will take. Others cost nothing.
+        the sequences whose method needs it, the method's `token_entropy` of them (InfoKV: the top-k renormalised
+        entropy) is stored at the logical position the sampled token will take. Others cost nothing.
         Returns the sequences whose part failed."""
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple, list[int]] = {}
         for row, seq in enumerate(seqs):
             st = seq.compression
             if st is not None and st.entropy is not None:
-                groups.setdefault(st.entropy_top_k, []).append(row)
-        for k, rows in groups.items():
+                groups.setdefault((st.entropy_fn, st.entropy_top_k), []).append(row)
+        for (_, k), rows in groups.items():
             try:
                 _record_entropy(seqs, logits, k, rows)
             except Exception:  # find whose part failed: only that request ends (re-storing a position is harmless)
@@ -242,11 +242,11 @@ class CompressionStage:
             for rec in (self.stats, self.stats.method(method)):
                 rec.queries_cached += cached
                 rec.queries_recomputed += recomputed
-        freed = kv.compact([job.request for job in prep.jobs])
-        for job, f in zip(prep.jobs, freed):
-            job.done()
-            self._count(job.request, job.kept, f, job.merged)
-        self._finish_round(t0, prep.device, prep.own_time, [job.request for job in prep.jobs], on_demand)
+        freed = kv.compact(prep.jobs)
+        for job, done, f in zip(prep.jobs, prep.done, freed):
+            done()
+            self._count(job, f)
+        self._finish_round(t0, prep.device, prep.own_time, prep.jobs, on_demand)
         return sum(freed)
 
     # -- periodic window compression ----------------------------------------------------------------------
@@ -271,7 +271,8 @@ class CompressionStage:
     def _threshold_jobs(self, seqs: list[Sequence], kv: KVManager, queries: QueryFn) -> PreparedRound:
         return threshold_jobs(seqs, kv, queries, self.compressor)
 
-    def _count(self, job: CompactionRequest, kept: int, freed: int, merged: bool = False) -> None:
+    def _count(self, job: CompactionJob, freed: int) -> None:
+        kept, merged = int(job.kept.shape[-1]), job.new_keys is not None
         job.seq.compression.rounds += 1
         m = self.stats.method(job.seq.compression.config.method)
         for s in (self.stats, m):
@@ -281,7 +282,7 @@ class CompressionStage:
             s.tokens_seen += job.region_len
 
     def _finish_round(self, t0: float, device: torch.device | None, own_time: dict[str, float],
-                      jobs: list[CompactionRequest], on_demand: bool = False) -> None:
+                      jobs: list[CompactionJob], on_demand: bool = False) -> None:
         if device is not None and device.type == "cuda":  # count the queued kernels in the round's time
             torch.cuda.synchronize(device)
         total = time.perf_counter() - t0
@@ -303,10 +304,9 @@ class CompressionStage:
 
 
 def _record_entropy(seqs: list, logits: torch.Tensor, k: int, rows: list[int]) -> None:
-    from compression.infokv import topk_entropy
-
+    """The rows share one method's signal function (`record_entropy` groups them by it)."""
     idx = torch.tensor(rows, device=logits.device)
-    ent = topk_entropy(logits.index_select(0, idx), k).cpu()
+    ent = seqs[rows[0]].compression.entropy_fn(logits.index_select(0, idx), k).cpu()
     for i, row in enumerate(rows):
         seq = seqs[row]
         seq.compression.entropy.put(seq.num_tokens, ent[i:i + 1])

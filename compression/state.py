@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -94,6 +94,7 @@ class CompressionState:
     # recorded by the engine with top-k = entropy_top_k.
     entropy: EntropyStore | None = None
     entropy_top_k: int = 10
+    entropy_fn: Callable | None = None  # the method's `token_entropy`
     # Threshold policy, per KV slot, valid while the cache holds what the last event left: the method's own state
     # (`Selection.slot_state`, e.g. AMS's credit), and the entropy of slots [0, T0) as compacted ([L, Hkv, T0];
     # slots from T0 on are uncompressed: slot T0 + i is logical position slot_entropy_pos + i).

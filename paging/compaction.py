@@ -28,28 +28,26 @@ import torch
 
 
 @dataclass
-class CompactionRequest:
-    """What a compressor asks of the KV manager for one sequence: keep `kept` [L, Hkv, K] (indices into the region,
-    strictly increasing) of its region [region_start, region_start + region_len). ``new_keys`` / ``new_values``
-    [L, Hkv, K, D] (merging, both or neither) are written into the K kept slots instead of their old K/V."""
-    seq: Any
-    region_start: int
-    region_len: int
-    kept: torch.Tensor
-    new_keys: torch.Tensor | None = None
-    new_values: torch.Tensor | None = None
-
-
-@dataclass
 class CompactionJob:
+    """One sequence's compaction: keep `kept` [L, Hkv, K] (indices into the region, strictly increasing per
+    (layer, head)) of its region [region_start, region_start + region_len) of a cache of ``kv_len`` slots laid out
+    by ``block_table``. ``new_keys`` / ``new_values`` [L, Hkv, K, D] (merging, both or neither) are written into the
+    K kept slots instead of their old K/V. ``seq``: the sequence it compacts when the KV manager is to keep its
+    books too (`of`); a bare job (no seq) only moves data (`compact_batch`)."""
     block_table: Sequence[int]
     region_start: int
     region_len: int
-    kept: torch.Tensor  # [L, Hkv, K] indices into [0, region_len), strictly increasing per (layer, head)
+    kept: torch.Tensor
     kv_len: int
-    # Optional computed K/V for the kept slots (merging): [L, Hkv, K, D] each, both or neither.
     new_keys: torch.Tensor | None = None
     new_values: torch.Tensor | None = None
+    seq: Any = None
+
+    @classmethod
+    def of(cls, seq: Any, region_start: int, region_len: int, kept: torch.Tensor,
+           new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None) -> "CompactionJob":
+        """A job on ``seq``'s cache as it is now (its block table and KV length)."""
+        return cls(seq.block_table, region_start, region_len, kept, seq.kv_len, new_keys, new_values, seq)
 
     @property
     def new_kv_len(self) -> int:

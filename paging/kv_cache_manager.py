@@ -10,7 +10,7 @@ first). Compaction rewrites slots in place, so it must never touch a shared or c
 cache.
 
 Paging imports nothing of the engine or of compression: what it reads of a sequence is `PagedSequence`, and the
-compaction jobs it applies are its own `paging.compaction.CompactionRequest`.
+compaction jobs it applies are `paging.compaction.CompactionJob`s.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Callable, Protocol, Sequence as Seq
 import torch
 
 from paging.block_pool import BlockPool
-from paging.compaction import CompactionJob, CompactionRequest, blocks_to_free, compact_batch
+from paging.compaction import CompactionJob, blocks_to_free, compact_batch
 from paging.kv_cache import KVCache
 
 
@@ -332,7 +332,7 @@ class KVCacheManager:
         """Values of KV slots [start, start + length), all layers: [L, Hkv, length, D]."""
         return self._gather(seq, start, length, 1)
 
-    def compact(self, jobs: list[CompactionRequest]) -> list[int]:
+    def compact(self, jobs: list[CompactionJob]) -> list[int]:
         """Apply compactions (one batched gather/scatter), shrink KV lengths, free whole blocks past the new ends. A
         job carrying ``new_keys`` / ``new_values`` (merging) has those written into its kept slots. Returns the
         number of blocks freed per job."""
@@ -356,14 +356,11 @@ class KVCacheManager:
             freed_counts.append(len(freed))
         return freed_counts
 
-    def compact_data(self, jobs: list[CompactionRequest]) -> list[int]:
+    def compact_data(self, jobs: list[CompactionJob]) -> list[int]:
         """The data movement of `compact` alone (no block is freed, no table or length changes): what a
         tensor-parallel worker runs on its KV shard while rank 0's `compact` keeps the books. Returns the new
         KV lengths."""
-        return compact_batch(self.kv_cache.data, [
-            CompactionJob(j.seq.block_table, j.region_start, j.region_len, j.kept, j.seq.kv_len,
-                          new_keys=j.new_keys, new_values=j.new_values)
-            for j in jobs], check_indices=False)
+        return compact_batch(self.kv_cache.data, jobs, check_indices=False)
 
     # -- checks -------------------------------------------------------------------------------------------
     def check_invariants(self, running: Seq["Sequence"], waiting: Seq["Sequence"] = ()) -> None:

@@ -66,13 +66,13 @@ def test_kara_scores_buffer_queries_and_bf16():
 
 
 def test_kara_scores_layer_groups(monkeypatch):
-    import compression.kara as kara_mod
+    import compression.primitives as prim
 
     torch.manual_seed(2)
     q = torch.randn(5, 4, 16, 8)
     k = torch.randn(5, 2, 16, 8)
     full = kara_scores(q, k, 12)
-    monkeypatch.setattr(kara_mod, "MAX_LOGIT_ELEMS", 4 * 16 * 12 * 2)  # two layers per group
+    monkeypatch.setattr(prim, "MAX_ELEMS", 4 * 16 * 12 * 2)  # two layers per group
     torch.testing.assert_close(kara_scores(q, k, 12), full)
 
 

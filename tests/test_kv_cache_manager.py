@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compression import KVCompressionConfig
-from paging.compaction import CompactionRequest
+from paging.compaction import CompactionJob
 from compression.state import CompressionState
 from engine.model_runner import StepResult
 from engine.sampling_params import SamplingParams
@@ -116,7 +116,7 @@ def test_only_protected_prompt_blocks_are_cached_and_compaction_never_touches_th
         kv.commit(b, 1)
     before = kv.kv_cache.data[:, b.block_table[:2]].clone()
     kept = torch.tensor([[[0, 3, 5]]])
-    freed = kv.compact([CompactionRequest(b, 9, 8, kept)])
+    freed = kv.compact([CompactionJob.of(b, 9, 8, kept)])
     assert b.kv_len == 21 - 8 + 3 and freed == [2] and len(b.block_table) == 4
     assert torch.equal(kv.kv_cache.data[:, b.block_table[:2]], before)
     vals = [float(kv.kv_cache.data[0, b.block_table[p // BS], 0, p % BS, 0, 0]) for p in range(9, b.kv_len)]
@@ -124,7 +124,7 @@ def test_only_protected_prompt_blocks_are_cached_and_compaction_never_touches_th
     kv.check_invariants([a, b, c])
     # a compaction reaching into a shared block is refused
     with pytest.raises(RuntimeError, match="shared or cached"):
-        kv.compact([CompactionRequest(b, 4, 8, torch.tensor([[[0]]]))])
+        kv.compact([CompactionJob.of(b, 4, 8, torch.tensor([[[0]]]))])
 
 
 def test_prefix_caching_off_shares_nothing():
@@ -185,7 +185,7 @@ def test_random_operations_keep_invariants_and_cached_blocks_hold_their_tokens(o
                 region = 1 + pick % (tail - 1)
                 g = torch.Generator().manual_seed(pick)
                 kept = torch.randperm(region, generator=g)[:max(1, region // 2)].sort().values.view(1, 1, -1)
-                kv.compact([CompactionRequest(s, s.num_prompt_tokens, region, kept)])
+                kv.compact([CompactionJob.of(s, s.num_prompt_tokens, region, kept)])
         elif op == "preempt" and running:
             s = running.pop(pick % len(running))
             kv.free(s, finished=False)

@@ -148,13 +148,13 @@ def test_ties_go_to_lower_index():
 
 
 def test_layer_groups_give_same_result(monkeypatch):
-    import compression.method_utils as mu
+    import compression.primitives as prim
 
     gen = torch.Generator().manual_seed(11)
     k = clustered_keys(3, 2, 12, 8, gen)
     q = torch.randn(3, 4, 4, 8, generator=gen)
     full = rkv.rkv_scores(q, k)
-    monkeypatch.setattr(mu, "MAX_ELEMS", 2 * 12 * 12 * 3)  # one layer per group
+    monkeypatch.setattr(prim, "MAX_ELEMS", 2 * 12 * 12 * 3)  # one layer per group
     torch.testing.assert_close(rkv.rkv_scores(q, k), full)
 
 

@@ -47,12 +47,12 @@ def test_snapkv_scores_match_dense(kernel):
 
 
 def test_snapkv_layer_groups(monkeypatch):
-    import compression.snapkv as snap_mod
+    import compression.primitives as prim
 
     torch.manual_seed(1)
     q, k = torch.randn(4, 4, 3, 8), torch.randn(4, 2, 20, 8)
     full = snapkv_scores(q, k, 5)
-    monkeypatch.setattr(snap_mod, "MAX_LOGIT_ELEMS", 4 * 3 * 20)  # one layer at a time
+    monkeypatch.setattr(prim, "MAX_ELEMS", 4 * 3 * 20)  # one layer at a time
     torch.testing.assert_close(snapkv_scores(q, k, 5), full)
 
 
