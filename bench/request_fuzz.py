@@ -214,9 +214,9 @@ def structured_bodies():
 
 def valid_edge_bodies(max_len: int = 96):
     """(path, JSON body): completions whose `kv_compression` is a valid setting of some method, drawn at the edges
-    of its ranges with a prompt and max_tokens around them (compression/edges.py); every one must be served in
+    of its ranges with a prompt and max_tokens around them (bench/compression_edges.py); every one must be served in
     full. Prompts are token ids, so their lengths are exact."""
-    from compression.edges import valid_edge_requests
+    from bench.compression_edges import valid_edge_requests
 
     methods = [m for m in registry.names() if m != "none"]
     cases = st.one_of(*[valid_edge_requests(m, max_len=max_len) for m in methods])

@@ -72,18 +72,7 @@ from compression.baselines import (
 )
 from compression.config import KVCompressionConfig, field_error
 from compression.kara import Kara
-from compression.method_utils import (
-    check_bool,
-    check_budget,
-    check_int,
-    check_k,
-    check_kernel,
-    check_number,
-    check_threshold,
-    check_unit,
-    check_window,
-    obs_window_len,
-)
+from compression.method_utils import check_bool, check_int, check_number, check_threshold, check_window, obs_window_len
 from compression.primitives import finite_scores
 from compression.rkv import RKVCompressor
 from compression.snapkv import snapkv_scores
@@ -118,7 +107,7 @@ THRESHOLD_BASES = {name: _scorer(name, cls, "threshold") for name, cls in _BASES
 
 # ----------------------------------------------------------------------------- parameter checks
 def _check_segment_params(segment_mass: float, min_seg_len: int, max_seg_len: int) -> None:
-    check_unit("ams", "segment_mass", segment_mass, lo_open=True)
+    check_number("segment_mass", segment_mass, 0, 1, lo_open=True, method="ams")
     check_int("min_seg_len", min_seg_len, 1, method="ams")
     check_int("max_seg_len", max_seg_len, 1, method="ams")
     if max_seg_len < min_seg_len:
@@ -138,8 +127,8 @@ def ams_credit_update(mass_current: torch.Tensor, credit_prev: torch.Tensor | No
     """EMA credit. mass_current [..., T] (normalised here); credit_prev [..., T'] or None (zeros): slots past T'
     (appended since the last event) start at 0, slots past T are dropped. Returns (mass_used [..., T],
     credit [..., T]), both float32."""
-    decay = check_unit("ams", "credit_decay", credit_decay, hi_open=True)
-    beta = check_unit("ams", "mix_beta", mix_beta)
+    decay = check_number("credit_decay", credit_decay, 0, 1, hi_open=True, method="ams")
+    beta = check_number("mix_beta", mix_beta, 0, 1, method="ams")
     m = ams_normalize(mass_current)
     T = m.shape[-1]
     if credit_prev is None:
@@ -160,7 +149,7 @@ def ams_window_mass(queries: torch.Tensor, keys: torch.Tensor, num_region: int, 
     """Window evidence over the region: mean (over the last ``obs_window`` window queries, default the buffer) of
     their causal attention, avg-pooled, GQA-group mean. float32 [L, Hkv, n] (not normalised)."""
     check_window("ams", queries, keys, num_region)
-    check_kernel("ams", kernel)
+    check_int("kernel", kernel, 1, odd=True, method="ams")
     w = keys.shape[2]
     obs = obs_window_len("ams", obs_window, w, num_region)
     return snapkv_scores(queries[:, :, w - obs:], keys, kernel)[..., :num_region] / obs
@@ -172,7 +161,7 @@ def ams_threshold_mass(queries_obs: torch.Tensor, keys: torch.Tensor, *,
     observation queries), the w observation slots padded with the row's maximum (over KV heads and prefix).
     float32 [L, Hkv, T]."""
     w = check_threshold("ams", queries_obs, keys)
-    check_kernel("ams", kernel)
+    check_int("kernel", kernel, 1, odd=True, method="ams")
     pre = snapkv_scores(queries_obs, keys, kernel) / w
     top = pre.amax(dim=(1, 2), keepdim=True).expand(pre.shape[0], pre.shape[1], w)
     return torch.cat([pre, top], dim=-1)
@@ -295,7 +284,7 @@ def ams_quotas(mass: torch.Tensor, k: int, *, segment_mass: float = AMS_SEGMENT_
     _check_segment_params(segment_mass, min_seg_len, max_seg_len)
     check_int("min_keep_per_segment", min_keep_per_segment, 0, method="ams")
     T = mass.shape[-1]
-    check_k("ams", k, T)
+    check_int("k", k, 0, T, method="ams")
     m = ams_normalize(mass).reshape(-1, T)
     seg = _segment_ids(m, segment_mass, min_seg_len, max_seg_len)
     q = _quotas(seg, m, k, min_keep_per_segment)
@@ -368,7 +357,7 @@ def ams_window_select(queries: torch.Tensor, keys: torch.Tensor, num_region: int
     """AMS over one window's region. ``base``: a name in WINDOW_BASES (scored with its defaults) or the base
     scores themselves [L, Hkv, n]. Mass: `ams_window_mass` (needs a buffer). LongTensor [L, Hkv, k], ascending."""
     check_window("ams", queries, keys, num_region)
-    check_k("ams", k, num_region)
+    check_int("k", k, 0, num_region, method="ams")
     L, hkv = keys.shape[:2]
     mass = ams_window_mass(queries, keys, num_region, obs_window=obs_window, kernel=kernel)
     s = _base_scores(WINDOW_BASES, base, (queries, keys, num_region), (L, hkv, num_region))
@@ -394,7 +383,7 @@ def ams_threshold_select(queries_obs: torch.Tensor, keys: torch.Tensor, budget: 
 
     credit_prev: the credit returned by the previous event of this sequence, [L, Hkv, T'] (T' <= T: slots appended
     since then start at 0), or None for the first event."""
-    check_budget("ams", budget)
+    check_int("budget", budget, 0, method="ams")
     w = check_threshold("ams", queries_obs, keys)
     if not isinstance(use_credit, bool):
         raise ValueError(f"ams.use_credit must be a boolean, got {use_credit!r}")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 import torch
 
 from compression.config import num_topk
-from compression.method_utils import check_budget, check_window
+from compression.method_utils import check_int, check_window
 from compression.primitives import topk_sorted
 from compression.registry import NoParams
 
@@ -197,7 +197,7 @@ class ScoreMethod(Compressor):
 
     def _select_prefix(self, batch: PrefixBatch) -> torch.Tensor:
         self._runs("threshold")
-        check_budget(self.config.method, batch.budget)
+        check_int("budget", batch.budget, 0, method=self.config.method)
         keys = batch.keys
         span = Span("threshold", keys, batch.queries_obs, keys.shape[2] - batch.obs_window, keys.shape[0],
                     values=batch.values, entropy=batch.entropy)

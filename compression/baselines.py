@@ -33,10 +33,7 @@ from compression.base import ScoreMethod, Span
 from compression.config import field_error, num_topk
 from compression.method_utils import (
     causal_probs,
-    check_budget,
     check_int,
-    check_k,
-    check_kernel,
     check_obs_window,
     check_threshold,
     check_window,
@@ -61,7 +58,7 @@ def snapkv_window_scores(queries: torch.Tensor, keys: torch.Tensor, num_region: 
     ([0, W - obs), avg counting zero padding or max with -inf padding, kernel ``kernel``), and sliced to the region.
     Returns float32 [L, Hkv, n]."""
     check_window("snapkv", queries, keys, num_region)
-    check_kernel("snapkv", kernel)
+    check_int("kernel", kernel, 1, odd=True, method="snapkv")
     if pooling not in ("avg", "max"):
         raise ValueError(f"snapkv.pooling must be 'avg' or 'max', got {pooling!r}")
     w = keys.shape[2]
@@ -77,7 +74,7 @@ def snapkv_window_scores(queries: torch.Tensor, keys: torch.Tensor, num_region: 
 def snapkv_window_select(queries: torch.Tensor, keys: torch.Tensor, num_region: int, k: int, *,
                          obs_window: int | None = None, kernel: int = SNAPKV_KERNEL, pooling: str = "avg"
                          ) -> torch.Tensor:
-    check_k("snapkv", k, num_region)
+    check_int("k", k, 0, num_region, method="snapkv")
     return select_topk(snapkv_window_scores(queries, keys, num_region, obs_window=obs_window, kernel=kernel,
                                             pooling=pooling), k)
 
@@ -105,7 +102,7 @@ def tova_scores(queries: torch.Tensor, keys: torch.Tensor, num_region: int) -> t
 
 
 def tova_select(queries: torch.Tensor, keys: torch.Tensor, num_region: int, k: int) -> torch.Tensor:
-    check_k("tova", k, num_region)
+    check_int("k", k, 0, num_region, method="tova")
     return select_topk(tova_scores(queries, keys, num_region), k)
 
 
@@ -117,7 +114,7 @@ def tova_threshold_scores(queries_obs: torch.Tensor, keys: torch.Tensor) -> torc
 
 
 def tova_threshold_select(queries_obs: torch.Tensor, keys: torch.Tensor, budget: int) -> torch.Tensor:
-    check_budget("tova", budget)
+    check_int("budget", budget, 0, method="tova")
     return select_topk(tova_threshold_scores(queries_obs, keys), budget)
 
 
@@ -165,7 +162,7 @@ def h2o_select(queries: torch.Tensor, keys: torch.Tensor, num_region: int, k: in
                num_recent: int | None = None) -> torch.Tensor:
     """The newest ``num_recent`` region slots (default k // 2, H2O's equal heavy/recent split) plus the top
     k - num_recent older region slots by `h2o_scores`. LongTensor [L, Hkv, k], ascending."""
-    check_k("h2o", k, num_region)
+    check_int("k", k, 0, num_region, method="h2o")
     r = _num_recent("h2o", num_recent, k)
     return _recent_plus_heavy(h2o_scores(queries, keys, num_region), k, r)
 
@@ -181,7 +178,7 @@ def h2o_threshold_select(queries_obs: torch.Tensor, keys: torch.Tensor, budget: 
                          num_recent: int | None = None) -> torch.Tensor:
     """`h2o_threshold_scores` top slots plus the newest ``num_recent`` prefix slots (default kb // 2, kb =
     min(budget, T - w)). LongTensor [L, Hkv, kb], ascending."""
-    check_budget("h2o", budget)
+    check_int("budget", budget, 0, method="h2o")
     s = h2o_threshold_scores(queries_obs, keys)
     kb = min(budget, s.shape[-1])
     return _recent_plus_heavy(s, kb, _num_recent("h2o", num_recent, kb))
@@ -202,7 +199,7 @@ def keydiff_scores(keys: torch.Tensor, num_region: int) -> torch.Tensor:
 
 
 def keydiff_select(queries: torch.Tensor | None, keys: torch.Tensor, num_region: int, k: int) -> torch.Tensor:
-    check_k("keydiff", k, num_region)
+    check_int("k", k, 0, num_region, method="keydiff")
     return select_topk(keydiff_scores(keys, num_region), k)
 
 
@@ -217,7 +214,7 @@ def keydiff_threshold_scores(queries_obs: torch.Tensor | None, keys: torch.Tenso
 
 def keydiff_threshold_select(queries_obs: torch.Tensor | None, keys: torch.Tensor, budget: int, *,
                              obs_window: int | None = None) -> torch.Tensor:
-    check_budget("keydiff", budget)
+    check_int("budget", budget, 0, method="keydiff")
     return select_topk(keydiff_threshold_scores(queries_obs, keys, obs_window=obs_window), budget)
 
 
@@ -229,14 +226,14 @@ def knorm_scores(keys: torch.Tensor, num_region: int) -> torch.Tensor:
 
 
 def knorm_select(queries: torch.Tensor | None, keys: torch.Tensor, num_region: int, k: int) -> torch.Tensor:
-    check_k("knorm", k, num_region)
+    check_int("k", k, 0, num_region, method="knorm")
     return select_topk(knorm_scores(keys, num_region), k)
 
 
 def knorm_threshold_select(queries_obs: torch.Tensor | None, keys: torch.Tensor, budget: int, *,
                            obs_window: int | None = None) -> torch.Tensor:
     """The lowest-norm keys of the prefix [0, T - w): LongTensor [L, Hkv, min(budget, T - w)], ascending."""
-    check_budget("knorm", budget)
+    check_int("budget", budget, 0, method="knorm")
     w = check_threshold("knorm", queries_obs, keys, obs_window)
     return select_topk(knorm_scores(keys, keys.shape[2] - w), budget)
 

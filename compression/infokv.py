@@ -54,17 +54,7 @@ import torch
 from compression import registry
 from compression.base import ScoreMethod, Span
 from compression.kara import kara_scores
-from compression.method_utils import (
-    check_budget,
-    check_int,
-    check_k,
-    check_kernel,
-    check_number,
-    check_threshold,
-    check_unit,
-    check_window,
-    select_topk,
-)
+from compression.method_utils import check_int, check_number, check_threshold, check_window, select_topk
 from compression.snapkv import snapkv_scores
 
 INFOKV_LAMBDA = 0.5
@@ -127,8 +117,8 @@ def infokv_combine(attention: torch.Tensor, entropy: torch.Tensor, rep_change: t
     """score = (1 - lam) * share(attention) + lam * ((1 - rho) * share(entropy) + rho * share(rep_change)).
     attention [L, Hkv, n]; entropy / rep_change [L, n] or [L, Hkv, n] (see the module docstring).
     float32 [L, Hkv, n]."""
-    lam = check_unit("infokv", "lambda", lam)
-    rho = check_unit("infokv", "rho", rho)
+    lam = check_number("lambda", lam, 0, 1, method="infokv")
+    rho = check_number("rho", rho, 0, 1, method="infokv")
     if attention.dim() != 3:
         raise ValueError(f"infokv.attention must be [L, Hkv, n], got {tuple(attention.shape)}")
     L, hkv, n = attention.shape
@@ -155,7 +145,7 @@ def infokv_select(queries: torch.Tensor, keys: torch.Tensor, num_region: int, k:
                   rep_change: torch.Tensor | None = None, *, lam: float = INFOKV_LAMBDA,
                   rho: float = INFOKV_RHO) -> torch.Tensor:
     """Top-k region slots by `infokv_window_scores`: LongTensor [L, Hkv, k], ascending."""
-    check_k("infokv", k, num_region)
+    check_int("k", k, 0, num_region, method="infokv")
     return select_topk(infokv_window_scores(queries, keys, num_region, entropy, rep_change, lam=lam, rho=rho), k)
 
 
@@ -166,7 +156,7 @@ def infokv_threshold_scores(queries_obs: torch.Tensor, keys: torch.Tensor, entro
     entropy / rep_change [L, T] or [L, Hkv, T] (per cache slot; [L, T - w] also accepted). float32
     [L, Hkv, T - w]."""
     w = check_threshold("infokv", queries_obs, keys)
-    check_kernel("infokv", kernel)
+    check_int("kernel", kernel, 1, odd=True, method="infokv")
     L, hkv, T = keys.shape[:3]
     n = T - w
     ent = _signal("entropy", entropy, L, hkv, n, (T, n))
@@ -177,7 +167,7 @@ def infokv_threshold_scores(queries_obs: torch.Tensor, keys: torch.Tensor, entro
 def infokv_threshold_select(queries_obs: torch.Tensor, keys: torch.Tensor, budget: int, entropy: torch.Tensor,
                             rep_change: torch.Tensor | None = None, *, lam: float = INFOKV_LAMBDA,
                             rho: float = INFOKV_RHO, kernel: int = INFOKV_KERNEL) -> torch.Tensor:
-    check_budget("infokv", budget)
+    check_int("budget", budget, 0, method="infokv")
     return select_topk(infokv_threshold_scores(queries_obs, keys, entropy, rep_change, lam=lam, rho=rho,
                                                kernel=kernel), budget)
 

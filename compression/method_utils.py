@@ -59,23 +59,6 @@ def check_bool(name: str, value, method: str | None = None) -> None:
         raise _fail(method, name, "must be a boolean", value)
 
 
-def check_unit(method: str, name: str, value: float, lo_open: bool = False, hi_open: bool = False) -> float:
-    """A number in [0, 1] (ends optionally open)."""
-    return check_number(name, value, 0, 1, lo_open=lo_open, hi_open=hi_open, method=method)
-
-
-def check_k(method: str, k: int, n: int, name: str = "k") -> None:
-    check_int(name, k, 0, n, method=method)
-
-
-def check_budget(method: str, budget: int) -> None:
-    check_int("budget", budget, 0, method=method)
-
-
-def check_kernel(method: str, kernel: int, name: str = "kernel") -> None:
-    check_int(name, kernel, 1, odd=True, method=method)
-
-
 def check_window_inputs(queries: torch.Tensor, keys: torch.Tensor, num_region: int) -> None:
     if queries.dim() != 4 or keys.dim() != 4:
         raise ValueError(f"queries/keys must be [L, H, W, D], got {tuple(queries.shape)} and {tuple(keys.shape)}")
@@ -197,6 +180,6 @@ def threshold_budget(common) -> int:
 select_topk = topk_sorted
 
 __all__ = ["MAX_ELEMS", "layer_groups", "check_window_inputs", "check_window", "check_threshold", "check_int",
-           "check_number", "check_bool", "check_k", "check_budget", "check_kernel", "check_unit", "obs_window_len",
+           "check_number", "check_bool", "obs_window_len",
            "group_queries", "causal_probs", "pool1d", "finite_scores", "select_topk", "check_obs_window",
            "threshold_budget"]

@@ -39,14 +39,10 @@ import torch.nn.functional as F
 from compression import registry
 from compression.base import ScoreMethod, Span
 from compression.method_utils import (
-    check_budget,
     check_int,
-    check_k,
-    check_kernel,
     check_number,
     check_obs_window,
     check_threshold,
-    check_unit,
     check_window,
     group_queries,
     obs_window_len,
@@ -69,7 +65,7 @@ def _group_reduce(logits: torch.Tensor) -> torch.Tensor:
 def rkv_importance(queries_obs: torch.Tensor, keys: torch.Tensor, *, kernel: int = RKV_KERNEL) -> torch.Tensor:
     """Importance of the past tokens [0, T - w): float32 [L, Hkv, T - w] (see the module docstring)."""
     w = check_threshold("rkv", queries_obs, keys)
-    check_kernel("rkv", kernel)
+    check_int("kernel", kernel, 1, odd=True, method="rkv")
     L, hq, _, d = queries_obs.shape
     hkv, T = keys.shape[1], keys.shape[2]
     n = T - w
@@ -120,7 +116,7 @@ def rkv_scores(queries_obs: torch.Tensor, keys: torch.Tensor, *, lam: float = RK
                sim_threshold: float = RKV_SIM_THRESHOLD) -> torch.Tensor:
     """Threshold form: scores of the past tokens [0, T - w), float32 [L, Hkv, T - w]. queries_obs [L, Hq, w, D] are
     the queries of the last w tokens (R-KV: w = 8), keys [L, Hkv, T, D] all cached keys."""
-    lam = check_unit("rkv", "lambda", lam)
+    lam = check_number("lambda", lam, 0, 1, method="rkv")
     w = check_threshold("rkv", queries_obs, keys)
     n = keys.shape[2] - w
     return _mix(rkv_importance(queries_obs, keys, kernel=kernel),
@@ -130,7 +126,7 @@ def rkv_scores(queries_obs: torch.Tensor, keys: torch.Tensor, *, lam: float = RK
 def rkv_threshold_select(queries_obs: torch.Tensor, keys: torch.Tensor, budget: int, *, lam: float = RKV_LAMBDA,
                          kernel: int = RKV_KERNEL, sim_threshold: float = RKV_SIM_THRESHOLD) -> torch.Tensor:
     """Top-budget past tokens by `rkv_scores`: LongTensor [L, Hkv, min(budget, T - w)], ascending."""
-    check_budget("rkv", budget)
+    check_int("budget", budget, 0, method="rkv")
     return select_topk(rkv_scores(queries_obs, keys, lam=lam, kernel=kernel, sim_threshold=sim_threshold), budget)
 
 
@@ -150,7 +146,7 @@ def rkv_select(queries: torch.Tensor, keys: torch.Tensor, num_region: int, k: in
                lam: float = RKV_LAMBDA, kernel: int = RKV_KERNEL,
                sim_threshold: float = RKV_SIM_THRESHOLD) -> torch.Tensor:
     """Top-k region slots by `rkv_window_scores`: LongTensor [L, Hkv, k], ascending."""
-    check_k("rkv", k, num_region)
+    check_int("k", k, 0, num_region, method="rkv")
     return select_topk(rkv_window_scores(queries, keys, num_region, obs_window=obs_window, lam=lam, kernel=kernel,
                                          sim_threshold=sim_threshold), k)
 

@@ -3,7 +3,7 @@
 A setting the validator accepts must never be rejected first by a round (a request accepted, then failed with a
 500): the issue's reproduction (a ratio in (0, 1] whose ⌈r·n⌉ rounded to 0, every method's round failing) per
 method at engine level, a hypothesis property per method over valid settings drawn at the edges of every range
-(compression/edges.py: every request finishes normally, the KV manager's invariants hold after every step and no
+(bench/compression_edges.py: every request finishes normally, the KV manager's invariants hold after every step and no
 block is left once idle), and the other side: a setting just past a bound is a ValueError naming its field."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from compression import ConfigError, KVCompressionConfig, coerce, registry
-from compression.edges import PARAM_RANGES, just_outside, valid_edge_requests, valid_edge_settings
+from bench.compression_edges import PARAM_RANGES, just_outside, valid_edge_requests, valid_edge_settings
 from engine import SamplingParams
 from engine.errors import InvalidRequestError
 

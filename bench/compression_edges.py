@@ -115,7 +115,7 @@ def _ranges(method: str) -> list[tuple[str, Range]]:
     out = []
     for f in fields(spec.params):
         if f.name not in PARAM_RANGES:
-            raise KeyError(f"compression/edges.py: no range for parameter {f.name!r} of method {method!r}; add it to "
+            raise KeyError(f"bench/compression_edges.py: no range for parameter {f.name!r} of method {method!r}; add it to "
                            f"PARAM_RANGES")
         out.append((f.name, PARAM_RANGES[f.name]))
     return out
