@@ -26,8 +26,7 @@ from engine.compression_step import CompressionStep
 from engine.executor import StepExecutor
 from engine.lossless import LosslessController, LosslessStep
 from engine.model_runner import ModelRunner
-from engine.models.layer_ops import pick_layer_ops
-from engine.models.packed import GEMM_BACKENDS
+from engine.models.backends import GEMM_BACKENDS, pick_layer_ops
 from engine.models.quant import QUANTIZATIONS
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput
