@@ -95,8 +95,9 @@ def _send_loop(conn, outq: queue.SimpleQueue) -> None:
 def _child_main(conn, model: str, kwargs: dict, threads: int | None, log_level: int) -> None:
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s] %(message)s",
                         datefmt="%m-%d %H:%M:%S")
+    # the thread count only: this module's imports loaded torch, so the wait policy is the environment the parent
+    # set before its own torch import (server/cli.py), which a spawned child inherits
     configure_threads(threads, spin_count=None)  # the HTTP process shares these cores (server/cli.py)
-
     try:
         engine = Engine(model=model, **kwargs)
     except BaseException as err:  # the parent raises it (a bad setting is a ValueError there too)
