@@ -7,6 +7,7 @@ from typing import Any, Union
 from api.errors import RequestError
 from api.protocol import MAX_LOGPROBS, MIN_TEMPERATURE, ChatCompletionRequest, CompletionRequest, _SamplingFields
 from api.structured import structured_outputs_params
+from engine.sampling_params import SamplingParams
 
 
 def _check_request(req: _SamplingFields) -> None:
@@ -35,8 +36,6 @@ def to_sampling_params(req: Union[CompletionRequest, ChatCompletionRequest], *, 
     engine/generation_config.py): a request's own value wins, then the default, then the built-in value; its
     ``max_tokens`` caps every request, as in vLLM. ``max_logprobs`` bounds ``logprobs`` / ``top_logprobs`` /
     ``prompt_logprobs`` (-1: no bound of the server's)."""
-    from engine.sampling_params import SamplingParams
-
     defaults = defaults or {}
     _check_request(req)
     if isinstance(req, ChatCompletionRequest):

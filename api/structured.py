@@ -21,6 +21,10 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from api.errors import RequestError
+from engine.errors import InvalidRequestError
+from engine.structured_params import StructuredOutputsParams
+
 logger = logging.getLogger("kvllm.server")
 
 
@@ -73,8 +77,6 @@ def _constraints(req: StructuredFields) -> list[tuple[str, str, Any]]:
     if rf is not None and rf.type == "json_object":
         found.append(("json_object", "response_format", True))
     elif rf is not None and rf.type == "json_schema":
-        from api.protocol import RequestError
-
         if rf.json_schema is None or rf.json_schema.json_schema is None:
             raise RequestError("response_format of type json_schema needs json_schema.schema",
                                "response_format.json_schema")
@@ -95,10 +97,6 @@ def _constraints(req: StructuredFields) -> list[tuple[str, str, Any]]:
 def structured_outputs_params(req: StructuredFields):
     """The engine's StructuredOutputsParams for a request, or None; RequestError (400) naming the field when two
     constraints are given or a field is unusable."""
-    from api.protocol import RequestError
-    from engine.errors import InvalidRequestError
-    from engine.structured_params import StructuredOutputsParams
-
     if req.guided_decoding_backend is not None:
         logger.info("guided_decoding_backend=%r ignored: kvllm's structured outputs use xgrammar",
                     req.guided_decoding_backend)

@@ -12,7 +12,7 @@ import torch
 from compression.base import PrefixBatch, WindowBatch, as_selection
 from compression.config import KVCompressionConfig
 from compression.state import CompressionState
-from paging.compaction import CompactionJob
+from paging.compaction import CompactionJob, compact_slot_state
 
 
 @dataclass
@@ -122,8 +122,6 @@ def window_jobs(candidates: list, kv: Any, queries: Callable, compressor: Callab
 
 def threshold_jobs(seqs: list, kv: Any, queries: Callable, compressor: Callable) -> PreparedRound:
     """The threshold baseline: each sequence's whole cache scored against its observation window."""
-    from paging.compaction import compact_slot_state
-
     out = PreparedRound()
     comps = [compressor(s.compression.config) for s in seqs]
     spans = [(s, s.num_computed_tokens - s.compression.config.observation_window,

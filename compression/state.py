@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from compression.config import coerce
+
 if TYPE_CHECKING:
     from compression.config import KVCompressionConfig
 
@@ -179,8 +181,6 @@ class CompressionState:
 
     @classmethod
     def from_spec(cls, spec: dict) -> "CompressionState":
-        from compression.config import coerce
-
         return cls(coerce(spec["config"]), spec["start"], query_source=spec["query_source"],
                    kept_per_window=spec["kept_per_window"])
 

@@ -12,10 +12,7 @@ from compression.config import KVCompressionConfig, coerce
 from engine.argspec import setting
 from engine.attention import ATTENTION_BACKENDS
 from engine.hub import ModelSource
-from engine.models.layer_ops import LAYER_OPS
-from engine.models.packed import GEMM_BACKENDS
-from engine.models import onednn as _onednn  # noqa: F401  (registers gemm_backend 'onednn')
-from engine.models import gguf_linear as _gguf_linear  # noqa: F401  (registers gemm_backend 'gguf')
+from engine.models.backends import GEMM_BACKENDS, LAYER_OPS
 from engine.models.quant import QUANTIZATIONS
 from engine.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES
 from engine.structured_params import PARSE_DEPTH, GrammarLimits

@@ -21,13 +21,14 @@ from compression.stage import CompressionStage
 from compression.stats import RoundStats
 from engine.attention import get_backend
 from engine.config import EngineConfig, parse_dtype
+from engine.distributed.driver import DriverKVCacheManager, TPDriver
 from engine.errors import InvalidRequestError
 from engine.compression_step import CompressionStep
 from engine.executor import StepExecutor
+from engine.loader import load_model
 from engine.lossless import LosslessController, LosslessStep
 from engine.model_runner import ModelRunner
-from engine.models.layer_ops import pick_layer_ops
-from engine.models.packed import GEMM_BACKENDS
+from engine.models.backends import GEMM_BACKENDS, pick_layer_ops
 from engine.models.quant import QUANTIZATIONS
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput
@@ -61,11 +62,7 @@ class EngineCore:
     def _load(self, config: EngineConfig) -> tuple[int, int, type]:
         """The model (and its shards under tensor parallelism); returns the KV pool's and the host store's block
         counts and the KV manager class."""
-        from engine.loader import load_model
-
         if config.tensor_parallel_size > 1:
-            from engine.distributed.driver import DriverKVCacheManager, TPDriver
-
             if config.quantization is not None:
                 raise ValueError(f"quantization={config.quantization!r} does not shard: use it with "
                                  f"tensor_parallel_size 1")

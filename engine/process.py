@@ -30,8 +30,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from engine.engine import Engine
 from engine.errors import EngineDeadError
 from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.threads import configure_threads
 
 logger = logging.getLogger("kvllm")
 
@@ -90,13 +93,11 @@ def _send_loop(conn, outq: queue.SimpleQueue) -> None:
 
 
 def _child_main(conn, model: str, kwargs: dict, threads: int | None, log_level: int) -> None:
-    from engine.threads import configure_threads
-
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s] %(message)s",
                         datefmt="%m-%d %H:%M:%S")
+    # the thread count only: this module's imports loaded torch, so the wait policy is the environment the parent
+    # set before its own torch import (server/cli.py), which a spawned child inherits
     configure_threads(threads, spin_count=None)  # the HTTP process shares these cores (server/cli.py)
-    from engine.engine import Engine
-
     try:
         engine = Engine(model=model, **kwargs)
     except BaseException as err:  # the parent raises it (a bad setting is a ValueError there too)
@@ -322,8 +323,6 @@ class ProcessEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         call = next(self._ids)
         ids = self._call("new", prompt, params, rid, call=call)
-        from engine.sampling_params import SamplingParams
-
         req = RemoteRequest(rid, prompt if isinstance(prompt, str) else None, ids,
                             params if params is not None else SamplingParams(), [], time.monotonic(), call=call)
         # a request made but never started (another prompt of its HTTP request failed, a 503) is dropped there too

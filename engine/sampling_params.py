@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidRequestError
+from engine.structured_params import StructuredOutputsParams
 
 
 @dataclass
@@ -81,8 +82,6 @@ class SamplingParams:
             bad("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
         self.kv_compression = _check_compression(self.kv_compression)
-        from engine.structured_params import StructuredOutputsParams
-
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
 
     @property
@@ -120,7 +119,7 @@ def _check_compression(value: Any) -> Any:
     fields (buffer < window, ...) and the engine's limits then."""
     if value is None:
         return None
-    from compression.config import coerce
+    from compression.config import coerce  # `import engine` stays free of torch (engine/threads.py)
 
     try:
         cfg = coerce(value, relations=False)

@@ -27,6 +27,7 @@ from api.protocol import (
     random_uuid,
 )
 from api.tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from engine.structured_params import StructuredOutputsParams
 from server import reasoning, tools
 from server.chat_output import ChoiceReader, OutputPlan, make_plan
 from server.request_ids import engine_ids, response_id
@@ -148,17 +149,10 @@ def with_forced_tools(params: Any, body: ChatCompletionRequest) -> Any:
         except ValueError as err:
             raise RequestError(f"{param}: {err}", param) from None
     param = f"tools[{forced[0]}].function.parameters" if len(forced) == 1 else "tools"
-    from engine import sampling_params as sp
-
-    if "structured_outputs" not in {f.name for f in dataclasses.fields(sp.SamplingParams)}:
-        label = "required" if choice == "required" else "a named function"
-        raise RequestError(f"tool_choice={label} needs structured outputs (a JSON-schema constraint on sampling), "
-                           "which this kvllm build does not have yet", "tool_choice")
     if getattr(params, "structured_outputs", None) is not None:
         raise RequestError("You can only either use constraints for structured outputs or tools, not both.",
                            "tool_choice")
-    cls = getattr(sp, "StructuredOutputsParams", None)
-    value = cls(json=schema, param=param) if cls is not None else {"json": schema, "param": param}
+    value = StructuredOutputsParams(json=schema, param=param)
     try:
         return dataclasses.replace(params, structured_outputs=value)
     except ValueError as err:
@@ -175,8 +169,6 @@ def constrain_after_reasoning(params: Any, plan: OutputPlan, tok: Any) -> Any:
     parser = plan.reasoning()
     if parser.explicit_mode:
         return params
-    from engine.structured_params import StructuredOutputsParams
-
     so = StructuredOutputsParams.coerce(so)
     after = tuple(tok.encode(parser.end, add_special_tokens=False))
     return dataclasses.replace(params, structured_outputs=dataclasses.replace(so, after=after))

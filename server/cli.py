@@ -16,6 +16,12 @@ import logging
 import sys
 from typing import Any
 
+from bench.serve_client import add_cli_args as add_bench_args
+from engine.argspec import add_arguments, given
+from engine.threads import configure_threads
+
+# engine.config, server.config and the engine and app modules import torch: they are imported inside the functions,
+# after main() has configured the threads (engine/threads.py)
 logger = logging.getLogger("kvllm.server")
 
 #: Convenience flags → KVCompressionConfig fields (merged over --kv-compression)
@@ -50,7 +56,6 @@ _nonneg_int = _int_at_least(0, "an integer >= 0")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from engine.argspec import add_arguments
     from engine.config import EngineConfig
     from server.config import ServerConfig
 
@@ -106,7 +111,6 @@ def compression_from_args(args: argparse.Namespace) -> Any:
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig settings given on the command line (each field declares its own flag)."""
-    from engine.argspec import given
     from engine.config import EngineConfig
 
     args.kv_compression = compression_from_args(args)  # the shortcut flags merged into the field's value
@@ -136,7 +140,6 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.model is not None and args.model_opt is not None and args.model != args.model_opt:
         parser.error(f"two models given: {args.model!r} and --model {args.model_opt!r}")
     model = args.model or args.model_opt or "smollm2"
-    from engine.argspec import given
     from engine.config import EngineConfig
     from server.config import ServerConfig
 
@@ -203,8 +206,6 @@ def _stop_engine_at_app_shutdown(app, engine) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench.serve_client import add_cli_args as add_bench_args
-
     parser = argparse.ArgumentParser(prog="kvllm", description="kvllm: LLM inference server with KV compression")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -235,8 +236,6 @@ def _early_threads(argv: list[str]) -> None:
                                                                          i + 1 < len(argv) else None)
         if value is not None and value.isdigit():
             n = int(value)
-    from engine.threads import configure_threads
-
     configure_threads(n or None, spin_count=None)
 
 

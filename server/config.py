@@ -11,7 +11,9 @@ import os
 from dataclasses import dataclass
 
 from engine.argspec import setting
+from engine.chat_template import load_chat_template
 from engine.config import parse_memory
+from engine.generation_config import sampling_defaults
 from server import reasoning, tools
 
 #: Environment variable read for the API key when ``api_key`` is not given (vLLM's name).
@@ -111,9 +113,6 @@ class ServerConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         # fail at startup, not at the first request: a template path that does not open, a folder without the file
-        from engine.chat_template import load_chat_template
-        from engine.generation_config import sampling_defaults
-
         load_chat_template(self.chat_template)
         if self.generation_config not in ("auto", "vllm"):
             sampling_defaults(self.generation_config, None)

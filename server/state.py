@@ -20,6 +20,7 @@ from api.protocol import (
 )
 from api.sampling import to_sampling_params
 from engine.chat_template import load_chat_template
+from server.config import ServerConfig
 from server.errors import to_request_error
 from server.metrics import ServerMetrics
 from server.request_log import log_request
@@ -50,8 +51,6 @@ class ServerState:
 
     def __init__(self, engine: Any, served_model_names: list[str], max_queued_requests: int | None,
                  config: Any = None):
-        from server.config import ServerConfig
-
         self.engine = engine
         self.config = config if config is not None else ServerConfig()
         self.chat_template = load_chat_template(self.config.chat_template)  # None: the tokenizer's

@@ -233,3 +233,176 @@ def test_no_module_grows_past_a_readable_size():
     long = {str(p.relative_to(ROOT)): n for d in [*PACKAGES, "bench", "util"] if (ROOT / d).exists()
             for p in sorted((ROOT / d).rglob("*.py")) if (n := len(p.read_text().splitlines())) > limit}
     assert set(long) <= set(single_concern), long
+
+
+# -- imports: no cycles between project modules, project imports at module level, no method patching -------------
+PRODUCT = ["api", "server", "engine", "paging", "compression", "util"]
+PROJECT = {*PRODUCT, "bench"}  # bench/ checks its own cycles; here it only counts as an imported project package
+
+#: (file, imported project module) -> why the import stays inside a function. Only an import that must not run at
+#: module import time belongs here.
+LOCAL_IMPORTS_ALLOWED = {
+    ("engine/__init__.py", "engine.engine"):
+        "`import engine` stays free of torch, so configure_threads() can run first (engine/threads.py)",
+    ("engine/outputs.py", "compression.stats"):
+        "`import engine` stays free of torch (engine/threads.py); compression/__init__ imports torch",
+    ("engine/sampling_params.py", "compression.config"):
+        "`import engine` stays free of torch (engine/threads.py); compression/__init__ imports torch",
+    ("server/cli.py", "engine.config"): "main() runs configure_threads() before torch is imported (engine/threads.py)",
+    ("server/cli.py", "server.config"): "main() runs configure_threads() before torch is imported (engine/threads.py)",
+    ("server/cli.py", "engine.engine"): "main() runs configure_threads() before torch is imported (engine/threads.py)",
+    ("server/cli.py", "engine.process"): "main() runs configure_threads() before torch is imported (engine/threads.py)",
+    ("server/cli.py", "server.app"): "main() runs configure_threads() before torch is imported (engine/threads.py)",
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _project_files(packages) -> dict[str, Path]:
+    return {_module_name(p): p for d in packages for p in sorted((ROOT / d).rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return isinstance(t, ast.Name) and t.id == "TYPE_CHECKING" or isinstance(t, ast.Attribute) and \
+        t.attr == "TYPE_CHECKING"
+
+
+def import_statements(tree: ast.AST) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement with whether it runs inside a function; those under `if TYPE_CHECKING:` never run
+    and are left out."""
+    found = []
+
+    def visit(node: ast.AST, local: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for stmt in child.orelse:
+                    visit(ast.Module(body=[stmt], type_ignores=[]), local)
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append((child, local))
+            visit(child, local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return found
+
+
+def imported_modules(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, known) -> list[str]:
+    """The project modules an import statement names: `from a.b import c` is a.b.c where that is a module, else
+    a.b; relative imports are resolved against `module`."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            parts = module.split(".")[: len(module.split(".")) - (node.level - is_package)]
+            base = ".".join(parts + ([node.module] if node.module else []))
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+    out = []
+    for name in names:
+        while name not in known and "." in name:
+            name = name.rsplit(".", 1)[0]
+        if name in known:
+            out.append(name)
+    return out
+
+
+def import_graph(packages=PRODUCT):
+    """module -> project modules it imports (module level or in a function), and the function-local imports as
+    (file, line, imported module)."""
+    known = _project_files(PROJECT)
+    edges: dict[str, set[str]] = {}
+    local = []
+    for name, path in _project_files(packages).items():
+        for node, is_local in import_statements(ast.parse(path.read_text(), filename=str(path))):
+            for target in imported_modules(name, path.name == "__init__.py", node, known):
+                edges.setdefault(name, set()).add(target)
+                if is_local:
+                    local.append((str(path.relative_to(ROOT)), node.lineno, target))
+    return edges, sorted(set(local))
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), and modules importing themselves."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+            if len(comp) > 1 or v in edges.get(v, ()):
+                found.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return sorted(found)
+
+
+def test_no_import_cycle_between_project_modules():
+    edges, _ = import_graph()
+    product = {m: {t for t in ts if t.split(".")[0] in PRODUCT} for m, ts in edges.items()}
+    found = cycles(product)
+    assert not found, "import cycles: " + "; ".join(
+        " <-> ".join(c) + " (" + ", ".join(f"{a} -> {b}" for a in c for b in sorted(product[a]) if b in c) + ")"
+        for c in found)
+
+
+def test_the_import_graph_sees_local_relative_and_package_imports_but_not_type_checking_ones():
+    src = """
+from typing import TYPE_CHECKING
+from engine.attention import cpu_ext, get_backend
+import paging.kv_cache
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
+def f():
+    from .base import AttentionMetadata
+"""
+    known = {"engine", "engine.attention", "engine.attention.cpu_ext", "engine.attention.base", "paging.kv_cache",
+             "engine.sequence"}
+    found = [(m, local) for node, local in import_statements(ast.parse(src))
+             for m in imported_modules("engine.attention.cpu_paged", False, node, known)]
+    assert found == [("engine.attention.cpu_ext", False), ("engine.attention", False), ("paging.kv_cache", False),
+                     ("engine.attention.base", True)]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_project_modules_are_imported_at_module_level():
+    _, local = import_graph()
+    bad = [f"{path}:{line} imports {target}" for path, line, target in local
+           if (path, target) not in LOCAL_IMPORTS_ALLOWED]
+    assert not bad, "function-local imports of project modules (move them to the top, or break the cycle they " \
+                    "hide): " + ", ".join(bad)
+    used = {(path, target) for path, _, target in local}
+    assert set(LOCAL_IMPORTS_ALLOWED) <= used, f"stale entries: {set(LOCAL_IMPORTS_ALLOWED) - used}"
+
+
+def test_the_torch_free_imports_stay_torch_free():
+    """What LOCAL_IMPORTS_ALLOWED protects: the CLI and the engine package import without torch."""
+    code = "import sys, engine, server.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_no_method_patching():
+    """A backend that changes a model's behaviour gives it a layer object; it does not rebind its methods."""
+    bad = [f"{p.relative_to(ROOT)}:{node.lineno}" for p, tree in _modules(*PRODUCT) for node in ast.walk(tree)
+           if isinstance(node, ast.Name) and node.id == "MethodType"
+           or isinstance(node, ast.Attribute) and node.attr == "MethodType"
+           or isinstance(node, ast.alias) and node.name == "MethodType"]
+    assert not bad, f"types.MethodType at {bad}"

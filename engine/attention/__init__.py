@@ -1,6 +1,11 @@
 import logging
 
+import torch
+
+from engine.attention import cpu_ext, flashinfer
 from engine.attention.base import AttentionBackend, AttentionMetadata, build_metadata
+from engine.attention.cpu_paged import CpuPagedBackend
+from engine.attention.torch_paged import TorchPagedBackend
 from util import Registry
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "build_metadata", "get_backend", "ATTENTION_BACKENDS"]
@@ -14,8 +19,6 @@ ATTENTION_BACKENDS: Registry = Registry("attention_backend")
 
 def get_backend(name: str, device) -> "AttentionBackend":
     """Build the attention backend named by EngineConfig.attention_backend for `device`."""
-    import torch
-
     return ATTENTION_BACKENDS.get(name)(torch.device(device))
 
 
@@ -23,15 +26,11 @@ def get_backend(name: str, device) -> "AttentionBackend":
 def _auto(device) -> "AttentionBackend":
     """FlashInfer on CUDA when it imports; on the CPU the C++ kernel when it builds, else torch with a warning."""
     if device.type == "cuda":
-        from engine.attention.flashinfer import is_available
-
-        return _flashinfer(device) if is_available() else _torch(device)
+        return _flashinfer(device) if flashinfer.is_available() else _torch(device)
     if device.type == "cpu":
-        from engine.attention.cpu_ext import ExtensionUnavailable
-
         try:
             return _cpu(device)
-        except ExtensionUnavailable as exc:
+        except cpu_ext.ExtensionUnavailable as exc:
             logger.warning("CPU attention kernel unavailable, using the torch backend (slower): %s", exc)
     return _torch(device)
 
@@ -40,20 +39,14 @@ def _auto(device) -> "AttentionBackend":
 def _cpu(device) -> "AttentionBackend":
     if device.type != "cpu":
         raise ValueError(f"attention_backend 'cpu' runs on CPU devices only, got device {device}")
-    from engine.attention.cpu_paged import CpuPagedBackend
-
     return CpuPagedBackend()
 
 
 @ATTENTION_BACKENDS.register("torch")
 def _torch(device) -> "AttentionBackend":
-    from engine.attention.torch_paged import TorchPagedBackend
-
     return TorchPagedBackend()
 
 
 @ATTENTION_BACKENDS.register("flashinfer")
 def _flashinfer(device) -> "AttentionBackend":
-    from engine.attention.flashinfer import FlashInferBackend
-
-    return FlashInferBackend(device)
+    return flashinfer.FlashInferBackend(device)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention import cpu_ext
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_paged import TorchPagedBackend
 
@@ -26,8 +27,6 @@ class CpuPagedBackend:
     cpu_ext.ExtensionUnavailable when the kernel cannot be built or loaded."""
 
     def __init__(self, force_portable: bool = False, max_isa: int = 2) -> None:
-        from engine.attention import cpu_ext
-
         self._ops = cpu_ext.load()
         self._fallback = TorchPagedBackend()
         self.force_portable = force_portable  # the non-AVX2 kernels, for tests on AVX2 machines

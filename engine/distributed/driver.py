@@ -39,12 +39,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from compression.config import coerce
 from engine.distributed import protocol as P
 from engine.distributed.comm import broadcast_object
 from engine.distributed.layers import head_partition
 from engine.distributed.parallel_state import destroy_tensor_parallel, free_port, init_tensor_parallel
 from engine.distributed.worker import CONTROL_TIMEOUT, worker_main
 from engine.errors import EngineDeadError
+from engine.loader import check_tensor_parallel, load_model_for_tp
 from paging.kv_cache_manager import KVCacheManager
 
 logger = logging.getLogger("kvllm")
@@ -150,10 +152,6 @@ class TPDriver:
     def start(self, config, dtype: torch.dtype):
         """Spawn the workers, join the group, load every shard, agree on the block count and allocate every KV
         shard. Returns (rank 0's model, model config, tokenizer, num_blocks, host_blocks)."""
-        from engine.loader import check_tensor_parallel, load_model_for_tp
-
-        from compression.config import coerce
-
         model_source = config.model_source().resolve()  # Hub ids: fetched once, here
         early = check_tensor_parallel(model_source, self.size)
         if early is not None:  # reject an impossible compression default before any worker starts

@@ -28,9 +28,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from compression.stage import CompressionStage
+from compression.state import CompressionState
+from engine.attention import get_backend
 from engine.distributed import protocol as P
 from engine.distributed.comm import broadcast_object
+from engine.distributed.kv import local_kv_heads
 from engine.distributed.parallel_state import TPGroup, destroy_tensor_parallel, init_tensor_parallel
+from engine.loader import load_shard
+from engine.model_runner import ModelRunner
+from engine.models.backends import pick_layer_ops
+from paging.compaction import blocks_to_free
+from paging.kv_cache import KVCache
+from paging.kv_cache_manager import KVCacheManager
 
 #: Control messages can be far apart (an idle server): the control group never times out; a dead peer still
 #: fails it at once (its socket closes), and a worker whose parent is gone exits by itself.
@@ -92,8 +102,6 @@ class _ShardKV:
         return self.manager.gather_keys(seq, start, length)
 
     def compact(self, jobs) -> list[int]:
-        from paging.compaction import blocks_to_free
-
         new_lens = self.manager.compact_data(jobs)
         freed = []
         for job, new_len in zip(jobs, new_lens):
@@ -143,8 +151,6 @@ class Worker:
     def _compression_state(self, spec: dict | None):
         if spec is None:
             return None
-        from compression.state import CompressionState
-
         return CompressionState.from_spec(spec)
 
     def _copy(self, kind: str, src: list[int], dst: list[int]) -> None:
@@ -161,10 +167,6 @@ class Worker:
 
     # -- start-up -----------------------------------------------------------------------------------------
     def _init(self, op: P.Init) -> None:
-        from engine.distributed.kv import local_kv_heads
-        from engine.loader import load_shard
-        from engine.models.layer_ops import pick_layer_ops
-
         try:
             self.config, self.dtype = op.config, op.dtype
             self.model = load_shard(op.source, op.dtype, self.device, self.tp)
@@ -180,12 +182,6 @@ class Worker:
             raise RuntimeError(f"rank {self.tp.rank} could not load its shard")
 
     def _allocate(self, op: P.Allocate) -> None:
-        from compression.stage import CompressionStage
-        from engine.attention import get_backend
-        from engine.model_runner import ModelRunner
-        from paging.kv_cache import KVCache
-        from paging.kv_cache_manager import KVCacheManager
-
         try:
             c = self.model_config
             cache = KVCache(c.num_layers, op.num_blocks, self.config.block_size, self.model.num_local_kv_heads,

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.models.packed import GEMM_BACKENDS, PANEL, PackedLinear, can_pack, rows_through, swap_linears
+from engine.attention import cpu_ext
+from engine.models.packed import PANEL, PackedLinear, can_pack, rows_through, swap_linears
 
 logger = logging.getLogger("kvllm")
 
@@ -129,8 +130,6 @@ class BlockLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         super().__init__()
-        from engine.attention import cpu_ext
-
         self._ops = cpu_ext.load()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, d, m = pack_blocks(*blocks)
@@ -156,10 +155,6 @@ class BlockLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _block_compute_logits(self, hidden: torch.Tensor, all_ranks: bool = False) -> torch.Tensor:
-    return self.packed_lm_head(hidden.float())
-
-
 def block_linears(model: nn.Module, path: Path | str | None = None) -> nn.Module:
     """In place: every linear layer of a float32 DecoderLM (and its LM head) whose weight the GGUF file at `path`
     (default: the file the model was loaded from, `model.gguf_path`) holds as Q4_0 / Q4_1 / Q8_0 blocks becomes a
@@ -178,16 +173,9 @@ def block_linears(model: nn.Module, path: Path | str | None = None) -> nn.Module
         counts["blocks" if blocks is not None else "float32"] += 1
         return BlockLinear(linear, blocks) if blocks is not None else PackedLinear(linear)
 
-    swap_linears(model, make, _block_compute_logits)
+    swap_linears(model, make)
     model.gguf_reader = None  # the index copied what it needs; the file's mapping can go
     logger.info("gemm_backend gguf: %d linear layers keep %s's blocks, %d stay float32 panels", counts["blocks"],
                 Path(path).name, counts["float32"])
     model.block_layer_counts = counts
     return model
-
-
-@GEMM_BACKENDS.register("gguf")
-def _gguf_gemm(model: nn.Module, quantized: bool) -> None:
-    if quantized:
-        raise ValueError("gemm_backend='gguf' keeps the file's own blocks; it does not combine with quantization")
-    block_linears(model)

@@ -12,7 +12,7 @@
   Inputs it does not take (another dtype or device, a 3-D RMSNorm input such as Qwen3's per-head q/k norm) go to
   TorchLayerOps.
 
-EngineConfig.layer_ops picks one ('auto': the C++ ops where the model is float32 or bfloat16 on a CPU and the library
+EngineConfig.layer_ops picks one (engine/models/backends.py; 'auto': the C++ ops where the model is float32 or bfloat16 on a CPU and the library
 loads, and among those engine/models/fused_layers.py's FusedLayerOps, the whole decoder stack in one C++ call, where
 the model qualifies).
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from util import Registry
+from engine.attention import cpu_ext
 
 
 class TorchLayerOps:
@@ -75,8 +75,6 @@ class CpuLayerOps(TorchLayerOps):
     name = "cpu"
 
     def __init__(self, max_isa: int = 2) -> None:
-        from engine.attention import cpu_ext
-
         self._ops = cpu_ext.load()
         self.max_isa = max_isa  # 0: the portable loops (tests of each level)
 
@@ -115,8 +113,6 @@ TORCH_LAYER_OPS = TorchLayerOps()
 
 def can_use_cpu_ops(model: torch.nn.Module) -> str | None:
     """None when CpuLayerOps can run `model`'s layers, else why not (one line)."""
-    from engine.attention import cpu_ext
-
     param = next(model.parameters())
     if param.device.type != "cpu":
         return f"the model is on {param.device}"
@@ -127,42 +123,3 @@ def can_use_cpu_ops(model: torch.nn.Module) -> str | None:
     except cpu_ext.ExtensionUnavailable as exc:
         return f"the C++ extension is unavailable ({exc})"
     return None
-
-
-#: EngineConfig.layer_ops -> function choosing the ops object for a loaded model
-LAYER_OPS: Registry = Registry("layer_ops")
-
-
-@LAYER_OPS.register("torch")
-def _torch_ops(model: torch.nn.Module) -> TorchLayerOps:
-    return TORCH_LAYER_OPS
-
-
-@LAYER_OPS.register("cpu")
-def _cpu_ops(model: torch.nn.Module) -> TorchLayerOps:
-    why = can_use_cpu_ops(model)
-    if why is not None:
-        raise ValueError(f"layer_ops='cpu' cannot run: {why}")
-    return CpuLayerOps()
-
-
-@LAYER_OPS.register("fused")
-def _fused_ops(model: torch.nn.Module) -> TorchLayerOps:
-    from engine.models.fused_layers import FusedLayerOps
-
-    return FusedLayerOps(model)
-
-
-@LAYER_OPS.register("auto")
-def _auto_ops(model: torch.nn.Module) -> TorchLayerOps:
-    from engine.models.fused_layers import FusedLayerOps, why_not_fused
-
-    if why_not_fused(model) is None:
-        return FusedLayerOps(model)
-    return CpuLayerOps() if can_use_cpu_ops(model) is None else TORCH_LAYER_OPS
-
-
-def pick_layer_ops(setting: str, model: torch.nn.Module) -> TorchLayerOps:
-    """EngineConfig.layer_ops ('auto', 'cpu' or 'torch') -> the ops object for `model`. Raises ValueError (naming
-    layer_ops) for 'cpu' where it cannot run."""
-    return LAYER_OPS.get(setting)(model)

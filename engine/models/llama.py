@@ -175,6 +175,9 @@ class DecoderLM(nn.Module):
         # tied: the LM head is embed_tokens.weight (the same vocabulary rows on every rank)
         self.lm_head = None if config.tie_word_embeddings else ParallelLMHead(config.hidden_size, config.vocab_size,
                                                                               tp)
+        # The LM head as a layer of a GEMM backend or of int8 (engine/models/packed.py, quant.py), which give the
+        # model one in place of the dense head; None: the dense head, vocabulary-parallel under TP.
+        self.lm_head_layer: nn.Module | None = None
         self.rotary = Rotary(config)
         # heads of this rank: what the attention backend plans with and the KV cache stores
         self.num_local_q_heads, self.num_local_kv_heads = head_partition(config.num_q_heads, config.num_kv_heads,
@@ -208,6 +211,8 @@ class DecoderLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, all_ranks: bool = False) -> torch.Tensor | None:
         """float32 logits [T, vocab]. Under TP every rank must call it; rank 0 gets the logits, the others None
         (or every rank, with all_ranks)."""
+        if self.lm_head_layer is not None:  # unsharded (the backends refuse TP): this rank has every logit
+            return self.lm_head_layer(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.tp, all_ranks)
 

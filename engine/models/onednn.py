@@ -8,16 +8,16 @@ does not shrink with the rows: at the few rows of a small decode batch it is mos
 (docs/results/cpu_kernels.md), while the result is bit-identical to the packed call (tests/test_onednn_linear.py).
 vLLM's CPU backend packs its bf16 weights for oneDNN the same way.
 
-Engine use: EngineConfig.gemm_backend ('auto' packs a bfloat16, unsharded, unquantized model on a CPU whose torch
-has oneDNN with bf16 support; 'onednn' asks for it). The embedding keeps its table; a tied LM head gets a packed
-copy of it. The packed weight is an opaque oneDNN tensor, not a buffer: `.weight` rebuilds the dense one.
+Engine use: EngineConfig.gemm_backend (engine/models/backends.py; 'auto' packs a bfloat16, unsharded, unquantized model on a CPU whose torch
+has oneDNN with bf16 support; 'onednn' asks for it). The embedding keeps its table; the LM head (a tied one: a copy
+of the embedding) becomes a packed layer the model holds, `DecoderLM.lm_head_layer`. The packed weight is an opaque oneDNN tensor, not a buffer: `.weight` rebuilds the dense one.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.models.packed import GEMM_BACKENDS, swap_linears, unsharded_cpu_model
+from engine.models.packed import swap_linears, unsharded_cpu_model
 
 PACK_ROWS_HINT = 64  # the row count oneDNN tunes the packed layout for (any count runs); a decode batch's size
 
@@ -56,10 +56,6 @@ class OneDnnLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _onednn_compute_logits(self, hidden: torch.Tensor, all_ranks: bool = False) -> torch.Tensor:
-    return self.packed_lm_head(hidden).float()
-
-
 def can_pack(model: nn.Module) -> str | None:
     """None when pack_linears(model) can run here, else why not (one line)."""
     return unsharded_cpu_model(model, torch.bfloat16, "the packed oneDNN layers are") or available()
@@ -71,9 +67,5 @@ def pack_linears(model: nn.Module) -> nn.Module:
     why = can_pack(model)
     if why is not None:
         raise ValueError(f"gemm_backend='onednn' cannot run: {why}")
-    return swap_linears(model, OneDnnLinear, _onednn_compute_logits)
+    return swap_linears(model, OneDnnLinear)
 
-
-@GEMM_BACKENDS.register("onednn")
-def _onednn_gemm(model: nn.Module, quantized: bool) -> None:
-    pack_linears(model)  # EngineConfig already refused it with quantization

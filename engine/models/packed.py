@@ -10,23 +10,19 @@ below the core's FMA peak, and these GEMMs are most of a decode step; a register
 "Packed float32 GEMM vs torch (MKL)"). Same dtype, same math, a different summation order: results differ from
 F.linear by float32 rounding only (tests/test_packed_linear.py).
 
-Engine use: EngineConfig.gemm_backend ('auto' packs on a CPU with AVX2, AVX-512 CPUs included, when the model is
+Engine use: EngineConfig.gemm_backend (engine/models/backends.py; 'auto' packs on a CPU with AVX2, AVX-512 CPUs included, when the model is
 float32, unsharded and not quantized; a model loaded from a .gguf file gets engine/models/gguf_linear.py's
-BlockLinear instead, the same kernel tile on the file's own blocks). The embedding keeps its float32 table; a tied
-LM head gets a packed copy of it.
+BlockLinear instead, the same kernel tile on the file's own blocks). The embedding keeps its float32 table; the LM
+head (a tied one: a copy of the embedding) becomes a packed layer the model holds, `DecoderLM.lm_head_layer`.
 """
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from util import Registry
-
-#: EngineConfig.gemm_backend -> function (model, quantized) applying it to a loaded model in place
-GEMM_BACKENDS: Registry = Registry("gemm_backend")
+from engine.attention import cpu_ext
 
 PANEL = 16  # output channels per panel (the kernel's register tile width)
 
@@ -62,8 +58,6 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        from engine.attention import cpu_ext
-
         self._ops = cpu_ext.load()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("w_packed", pack_weight(linear.weight))
@@ -85,10 +79,6 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _packed_compute_logits(self, hidden: torch.Tensor, all_ranks: bool = False) -> torch.Tensor:
-    return self.packed_lm_head(hidden.float())
-
-
 def unsharded_cpu_model(model: nn.Module, dtype: torch.dtype, layers: str) -> str | None:
     """None when `model` is an unsharded `dtype` model on the CPU, else why not (one line; `layers` names what
     needs it)."""
@@ -104,8 +94,6 @@ def unsharded_cpu_model(model: nn.Module, dtype: torch.dtype, layers: str) -> st
 
 def can_pack(model: nn.Module) -> str | None:
     """None when pack_linears(model) can run here, else why not (one line)."""
-    from engine.attention import cpu_ext
-
     why = unsharded_cpu_model(model, torch.float32, "the kernel is")
     if why is not None:
         return why
@@ -125,13 +113,13 @@ def pack_linears(model: nn.Module) -> nn.Module:
     why = can_pack(model)
     if why is not None:
         raise ValueError(f"gemm_backend='cpu' cannot run: {why}")
-    return swap_linears(model, PackedLinear, _packed_compute_logits)
+    return swap_linears(model, PackedLinear)
 
 
-def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], compute_logits) -> nn.Module:
+def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
     """In place: every nn.Linear of a loaded DecoderLM but the LM head becomes make(linear); the LM head (or a tied
-    embedding) gets a copy make()'d as `model.packed_lm_head`, the dense head is dropped, and `compute_logits(model,
-    hidden, all_ranks=False)` becomes the model's. Shared by the packed backends (here and engine/models/onednn.py)."""
+    embedding) gets a copy make()'d as `model.lm_head_layer`, which DecoderLM.compute_logits then runs, and the dense
+    head is dropped. Shared by the packed backends (here, engine/models/onednn.py and gguf_linear.py)."""
     with torch.no_grad():
         head = getattr(model, "lm_head", None)
         for parent in list(model.modules()):
@@ -141,36 +129,7 @@ def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], compu
         weight = head.weight if head is not None else model.embed_tokens.weight
         src = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         src.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        model.packed_lm_head = make(src)
+        model.lm_head_layer = make(src)
         if head is not None:
             model.lm_head = None  # its dense weight is no longer used
-        model.compute_logits = types.MethodType(compute_logits, model)
     return model
-
-
-@GEMM_BACKENDS.register("torch")
-def _torch_gemm(model: nn.Module, quantized: bool) -> None:
-    pass  # F.linear, as loaded
-
-
-@GEMM_BACKENDS.register("cpu")
-def _cpu_gemm(model: nn.Module, quantized: bool) -> None:
-    pack_linears(model)
-
-
-@GEMM_BACKENDS.register("auto")
-def _auto_gemm(model: nn.Module, quantized: bool) -> None:
-    """Packs where it can run: a float32 model into these panels (CPU with AVX2, unsharded; one loaded from a .gguf
-    keeps the file's blocks, engine/models/gguf_linear.py, with the same results), a bfloat16 one for oneDNN
-    (engine/models/onednn.py); a quantized model keeps its own kernel."""
-    from engine.models import gguf_linear, onednn
-
-    if quantized:
-        return
-    if can_pack(model) is None:
-        if getattr(model, "gguf_path", None) is not None:
-            gguf_linear.block_linears(model)
-        else:
-            pack_linears(model)
-    elif onednn.can_pack(model) is None:
-        onednn.pack_linears(model)

@@ -12,17 +12,17 @@ without AVX512, and dequantize-then-matmul copies the weight to float32 on every
 the memory, so batch-1 decode, which only streams weights, is the case that gains; at large batches the GEMM is
 compute-bound and int8 cannot beat a float32 GEMM. The measurements: docs/results/cpu_kernels.md.
 
-The embedding lookup keeps its float32 table. With `lm_head=True` (default) the LM head gets an int8 copy of its
-weight (tied models: of the embedding) and the model's `compute_logits` is replaced on this instance only.
+The embedding lookup keeps its float32 table. With `lm_head=True` (default) the LM head becomes an Int8Linear the
+model holds, `DecoderLM.lm_head_layer`, quantized from the head's weight (tied models: the embedding's).
 """
 from __future__ import annotations
-
-import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention import cpu_ext
+from engine.models.packed import PackedLinear
 from util import Registry
 
 #: quantization name -> function quantizing a loaded model in place (EngineConfig.quantization)
@@ -70,8 +70,6 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group_size: int | None = GROUP) -> None:
         super().__init__()
-        from engine.attention import cpu_ext
-
         self._ops = cpu_ext.load()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size = group_size_for(linear.in_features, group_size)
@@ -103,10 +101,6 @@ class Int8Linear(nn.Module):
                 f"bias={self.bias is not None}")
 
 
-def _int8_compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-    return self.int8_lm_head(hidden).float()
-
-
 def quantize_int8(model: nn.Module, lm_head: bool = True, group_size: int | None = GROUP) -> nn.Module:
     """Replace every nn.Linear of a loaded DecoderLM (attention and MLP projections, and the LM head when
     `lm_head`) with Int8Linear (one scale per channel and `group_size` input columns; None: per channel), in
@@ -117,34 +111,27 @@ def quantize_int8(model: nn.Module, lm_head: bool = True, group_size: int | None
         raise ValueError("quantize_int8 does not shard: use it with tensor_parallel_size 1")
     if device.type != "cpu":
         raise ValueError(f"quantize_int8 runs on CPU models only, got a model on {device}")
-    from engine.attention import cpu_ext
-
     group_size_for(1, group_size)  # validate
     cpu_ext.load()  # fail before touching the model
-    from engine.models.packed import PackedLinear
-
+    head = getattr(model, "lm_head", None)
+    held = getattr(model, "lm_head_layer", None)  # a GEMM backend's packed head (engine/models/packed.py)
     with torch.no_grad():
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 # the TP layers subclass nn.Linear; unsharded (tp size 1) they are plain linears
                 unsharded = getattr(getattr(child, "tp", None), "size", 1) == 1
                 # a packed float32 layer (engine/models/packed.py) is quantized from its dense weight alike
-                if (isinstance(child, (nn.Linear, PackedLinear)) and unsharded
-                        and child is not getattr(model, "lm_head", None)):
+                if (isinstance(child, (nn.Linear, PackedLinear)) and unsharded and child is not head
+                        and child is not held):
                     setattr(parent, name, Int8Linear(child, group_size))
         if lm_head:
-            head = getattr(model, "lm_head", None)
-            packed = getattr(model, "packed_lm_head", None)  # engine/models/packed.py: holds the head's weight
-            weight = (head.weight if head is not None else packed.weight if packed is not None
+            weight = (head.weight if head is not None else held.weight if held is not None
                       else model.embed_tokens.weight)
             src = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
             src.weight = nn.Parameter(weight.detach(), requires_grad=False)
-            model.int8_lm_head = Int8Linear(src, group_size)
-            if hasattr(model, "packed_lm_head"):
-                del model.packed_lm_head
+            model.lm_head_layer = Int8Linear(src, group_size)
             if head is not None:
                 model.lm_head = None  # its float32 weight is no longer used
-            model.compute_logits = types.MethodType(_int8_compute_logits, model)
     return model
 
 
