@@ -83,12 +83,9 @@ def test_a_slow_grammar_holds_up_no_other_message_of_the_engine_process(tiny_ser
     import threading
     import time
 
-    schema: dict = {"type": "array"}
-    cur = schema
-    for _ in range(400):  # compiles for seconds (depth allowed by the raised limit)
-        cur["items"] = {"type": "array"}
-        cur = cur["items"]
-    eng = _process_engine(tiny_server_model_dir, structured_outputs_max_depth=512,
+    # compiles for seconds (as many properties as the raised limit allows)
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1400)}}
+    eng = _process_engine(tiny_server_model_dir, structured_outputs_max_properties=4096,
                           structured_outputs_compile_timeout=3.0)
     try:
         with serve(eng, served_model_name="m") as srv:
