@@ -120,9 +120,9 @@ def small_pool(tiny_llama_dir):
     from conftest import check_every_step
     from engine.engine import Engine
 
-    # room for about two full-length sequences: the batched examples below preempt
+    # room for one full-length sequence and a third of another: every batch of the examples below preempts
     eng = check_every_step(Engine(model=str(tiny_llama_dir), dtype="float32", device="cpu", block_size=4,
-                                  num_kv_blocks=24, max_model_len=MAX_LEN, watermark=0, max_num_seqs=8))
+                                  num_kv_blocks=16, max_model_len=MAX_LEN, watermark=0, max_num_seqs=8))
     yield eng
     eng.shutdown()
     eng.check_invariants()
