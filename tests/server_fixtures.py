@@ -6,6 +6,7 @@ Import the fixtures into a test module with ``from server_fixtures import *`` (t
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import tempfile
@@ -183,6 +184,25 @@ def wait_healthy(proc, base: str, log_path, timeout: float = 180.0) -> None:
             pass
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.5)
+
+
+def post_json(srv, body, path: str = "/v1/completions", headers: dict | None = None):
+    """POST a body (a dict, or JSON text or bytes sent as they are) to the server under test."""
+    import httpx
+
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(srv.base_url + path, content=content.encode() if isinstance(content, str) else content,
+                      timeout=60, headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def openai_error(resp, status: int, param: str | None = None) -> dict:
+    """The response is an error of this status in the OpenAI shape (naming `param` when given); returns it."""
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    if param is not None:
+        assert err["param"] == param, err
+    return err
 
 
 def openai_client(base_url: str, **kwargs):

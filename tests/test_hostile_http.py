@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from server_fixtures import *  # noqa: F401,F403
-from server_fixtures import serve
+from server_fixtures import openai_error, post_json, serve
 from server import chat, tools
 from server.tools.forced import RequiredToolParser
 
@@ -28,18 +28,10 @@ def srv(tiny_engine):
 
 
 def _post(srv, body, path="/v1/chat/completions", headers=None):
-    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
-    return httpx.post(srv.base_url + path, content=content.encode() if isinstance(content, str) else content,
-                      timeout=60, headers={"Content-Type": "application/json", **(headers or {})})
+    return post_json(srv, body, path, headers)
 
 
-def _error(resp, status, param=None):
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
-    if param is not None:
-        assert err["param"] == param, err
-    return err
+_error = openai_error
 
 
 def _still_serving(srv):

@@ -9,24 +9,12 @@ import httpx
 import pytest
 
 from server_fixtures import *  # noqa: F401,F403
-from server_fixtures import TINY_MAX_MODEL_LEN, wait_drained
+from server_fixtures import TINY_MAX_MODEL_LEN, openai_error, post_json, wait_drained
 
 SURROGATE = "\\ud800"  # a lone surrogate as a JSON escape: valid JSON, not valid text
 
 
-def _post(srv, body: str | dict, path="/v1/completions"):
-    content = body if isinstance(body, str) else json.dumps(body)
-    return httpx.post(srv.base_url + path, content=content.encode(), timeout=60,
-                      headers={"Content-Type": "application/json"})
-
-
-def _error(resp, status, param=None):
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
-    if param is not None:
-        assert err["param"] == param, err
-    return err
+_post, _error = post_json, openai_error
 
 
 def _still_serving(srv):
