@@ -215,15 +215,22 @@ def openai_client(base_url: str, **kwargs):
 
 
 # ------------------------------------------------------------------------------------ shared fixtures
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_server_model_dir):
-    eng = build_engine(tiny_server_model_dir)
+@contextlib.contextmanager
+def running_engine(model_dir: Path, **kwargs):
+    """A started engine (`build_engine`'s settings); once the block ends it must be drained, then it is shut down."""
+    eng = build_engine(model_dir, **kwargs)
     eng.start()
-    yield eng
     try:
+        yield eng
         wait_drained(eng)
     finally:
         eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_server_model_dir):
+    with running_engine(tiny_server_model_dir) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from engine import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.structured_params import GrammarLimits, StructuredOutputsParams
 from server_fixtures import *  # noqa: F401,F403
-from server_fixtures import build_engine, serve, wait_drained
+from server_fixtures import running_engine, serve, wait_drained
 
 pytest.importorskip("xgrammar", reason="xgrammar is installed by make install")
 
@@ -163,14 +163,9 @@ def test_a_constraint_that_dead_ends_later_ends_its_request_with_a_400(tiny_engi
 @pytest.fixture(scope="module")
 def slow_engine(tiny_server_model_dir):
     """Limits raised so that a constraint within them compiles for seconds, and a 1 s budget."""
-    eng = build_engine(tiny_server_model_dir, structured_outputs_max_properties=4096,
-                       structured_outputs_compile_timeout=1.0, structured_outputs_compile_threads=1)
-    eng.start()
-    yield eng
-    try:
-        wait_drained(eng)
-    finally:
-        eng.shutdown()
+    with running_engine(tiny_server_model_dir, structured_outputs_max_properties=4096,
+                        structured_outputs_compile_timeout=1.0, structured_outputs_compile_threads=1) as eng:
+        yield eng
 
 
 def test_a_slow_compile_times_out_alone_while_everything_else_is_served(slow_engine):

@@ -17,7 +17,7 @@ from api.sampling import to_sampling_params
 from engine.chat_template import load_chat_template
 from engine.generation_config import sampling_defaults
 from server.config import ServerConfig
-from server_fixtures import build_engine, serve, wait_drained
+from server_fixtures import build_engine, running_engine, serve, wait_drained
 
 GEN = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_new_tokens": 6, "bos_token_id": 1,
        "eos_token_id": 2, "min_p": None}
@@ -204,13 +204,8 @@ def test_load_chat_template_file_or_inline(tmp_path):
 @pytest.fixture(scope="module")
 def word_engine(tiny_llama_dir):
     """The tiny model with its word-level tokenizer, which has no chat template of its own."""
-    eng = build_engine(tiny_llama_dir, block_size=4, num_kv_blocks=128, max_model_len=128)
-    eng.start()
-    yield eng
-    try:
-        wait_drained(eng)
-    finally:
-        eng.shutdown()
+    with running_engine(tiny_llama_dir, block_size=4, num_kv_blocks=128, max_model_len=128) as eng:
+        yield eng
 
 
 def test_engine_chat_with_a_chat_template(word_engine, tmp_path):
