@@ -20,6 +20,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -28,6 +30,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -44,7 +47,13 @@ constexpr int kTileTokens = 8; // prefill: query tokens per work item (x g heads
 constexpr int kStreamChunks = 4;  // chunks read into cache per pass (stream_range): 4 x 48 KiB at SmolLM2's shapes
 constexpr float kLog2e = 1.4426950408889634f;
 
-enum class DType { F32, BF16, F16 };
+enum class DType { F32, BF16, F16, I8, E5M2, E4M3 };
+
+// 8-bit caches (paging/kv_format.py): a row is D one-byte values and, when scaled, their float32 scale. The compute
+// kernels read the values as small floats (int8 as integers, fp8 widened through fp16), and run_item multiplies each
+// score by its key's scale and each probability by its value's scale: q.k = s_k (q.k_raw), sum p v = sum (p s_v) v_raw.
+template <typename T>
+constexpr bool kEightBit = sizeof(T) == 1;
 
 struct Item {
   int32_t seq, h0, h1, i0, i1;  // KV heads [h0, h1), query rows [i0, i1) of `seq` (0-based among its q_len)
@@ -53,13 +62,14 @@ struct Item {
 struct Problem {
   const void* q;      // [T, Hq, D], heads and head_dim contiguous, tokens q_stride elements apart
   void* out;          // [T, Hq, D] contiguous, q's dtype
-  const void* cache;  // [num_blocks, 2, bs, Hkv, D] contiguous
+  const void* cache;  // [num_blocks, 2, bs, Hkv, W] contiguous, W = D (+ 4 scale bytes: `scaled`)
   DType q_dtype, kv_dtype;
+  bool scaled;
   const int32_t* qo;
   const int32_t* kv_indptr;
   const int32_t* kv_indices;
   const int32_t* kv_lens;
-  int64_t hq, hkv, g, d, bs, q_stride;
+  int64_t hq, hkv, g, d, w, bs, q_stride;  // w: elements per (slot, head) row
   int64_t block_stride, v_offset, slot_stride;  // elements
   float qscale;                                 // scale * log2(e)
 };
@@ -99,13 +109,13 @@ inline void store_row(void* base, DType t, int64_t idx, int64_t d, float mul, co
 // in (the cache's own type for AVX2, which converts in registers; float for the portable kernels).
 template <typename E>
 struct Scratch {
-  std::vector<float> qs, o, s, m, l, kbuf, vbuf;
+  std::vector<float> qs, o, s, m, l, kbuf, vbuf, ks, vs;  // ks, vs: the chunk's K and V row scales (8-bit)
   std::vector<const E*> kp, vp;
   std::vector<int64_t> off;  // element offsets of the current chunk's K rows (KV head 0)
   std::vector<int32_t> nv;             // valid (causal) slots of each query token's rows in the current chunk
   Scratch(int64_t rows, int64_t d)
       : qs(rows * d), o(rows * d), s(rows * kChunk), m(rows), l(rows), kbuf(kChunk * d), vbuf(kChunk * d),
-        kp(kChunk), vp(kChunk), off(kChunk), nv(rows) {}
+        ks(kChunk), vs(kChunk), kp(kChunk), vp(kChunk), off(kChunk), nv(rows) {}
 };
 
 // The query rows of one KV head within an item, for one chunk of slots: row r attends chunk slots [0, nv[r]).
@@ -162,8 +172,22 @@ inline void stream_range(const Problem& P, const int32_t* pages, int64_t c0, int
 template <typename K, typename T, typename E>
 inline void chunk_rows(const Problem& P, const int64_t* off, int64_t n, int64_t h, Scratch<E>& sc) {
   const T* cache = static_cast<const T*>(P.cache);
+  if constexpr (kEightBit<T>) {
+    // the SIMD loads give e4m3 values / 256 (csrc/simd.h load8): the factor rides on the scales
+    constexpr float fold = std::is_same_v<T, c10::Float8_e4m3fn> && std::is_same_v<T, E> ? 256.f : 1.f;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t row = off[j] + h * P.w;
+      float a = 1.f, b = 1.f;
+      if (P.scaled) {
+        std::memcpy(&a, cache + row + P.d, sizeof(float));
+        std::memcpy(&b, cache + row + P.v_offset + P.d, sizeof(float));
+      }
+      sc.ks[j] = a * fold;
+      sc.vs[j] = b * fold;
+    }
+  }
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t row = off[j] + h * P.d;
+    const int64_t row = off[j] + h * P.w;
     if constexpr (std::is_same_v<T, E>) {
       sc.kp[j] = cache + row;
       sc.vp[j] = cache + row + P.v_offset;
@@ -389,6 +413,18 @@ inline __m512 load16(const c10::BFloat16* p) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const c10::Float8_e5m2* p) {  // e5m2 is the high byte of an fp16
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8));
+}
+inline __m512 load16(const c10::Float8_e4m3fn* p) {  // value / 256, as simd.h load8 (the kernel folds 256 into the scale)
+  const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x80)), 8),
+                                         _mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x7F)), 7)));
+}
+
 inline __m256 fold256(__m512 a) {  // lanes i and i + 8 added (AVX512F only: no 32x8 extract, which is DQ)
   return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
@@ -590,6 +626,14 @@ struct Avx512 : Avx2 {
 #endif  // KVLLM_X86
 
 // ---- one work item -------------------------------------------------------------------------------------
+// s[r][j] *= c[j] for j < nv[r] (8-bit caches: key scales on scores, value scales on probabilities)
+inline void scale_columns(float* s, int64_t rows, const int32_t* nv, const float* c) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * kChunk;
+    for (int64_t j = 0; j < nv[r]; ++j) sr[j] *= c[j];
+  }
+}
+
 // Item rows are ordered (KV head, query token, head in group). An item normally covers all KV heads: the K (and
 // V) rows of all heads of a slot are contiguous in a block ([block_size, Hkv, D]), so the slots are
 // read into cache kStreamChunks chunks at a time (stream_range), then computed head by head from there.
@@ -623,6 +667,7 @@ void run_item(const Problem& P, const Item& it, Scratch<E>& sc) {
       Rows<E> R{sc.qs.data() + rb * d, sc.o.data() + rb * d, sc.s.data() + rb * kChunk, sc.nv.data(), rows_h, d,
              sc.kp.data(), sc.vp.data()};
       K::scores(R);
+      if constexpr (kEightBit<T>) scale_columns(R.s, rows_h, sc.nv.data(), sc.ks.data());
       for (int64_t rr = 0; rr < rows_h; ++rr) {
         const int64_t nv = sc.nv[rr], r = rb + rr;
         float* sr = R.s + rr * kChunk;
@@ -638,6 +683,7 @@ void run_item(const Problem& P, const Item& it, Scratch<E>& sc) {
         sc.l[r] = sc.l[r] * corr + sum;
         sc.m[r] = mx;
       }
+      if constexpr (kEightBit<T>) scale_columns(R.s, rows_h, sc.nv.data(), sc.vs.data());
       K::accumulate(R);
     }
   }
@@ -668,6 +714,15 @@ DType dtype_of(const at::Tensor& t, const char* name) {
   return DType::F32;
 }
 
+DType kv_dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kChar: return DType::I8;
+    case at::kFloat8_e5m2: return DType::E5M2;
+    case at::kFloat8_e4m3fn: return DType::E4M3;
+    default: return dtype_of(t, "kv_cache");
+  }
+}
+
 void check_index(const at::Tensor& t, const char* name, int64_t min_len) {
   TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kInt && t.dim() == 1 && t.is_contiguous(), name,
                     " must be a contiguous 1-D int32 CPU tensor");
@@ -690,8 +745,10 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::
                         out.device().is_cpu(),
                     "out must be a contiguous CPU tensor with q's shape and dtype");
   const int64_t T = q.size(0), hq = q.size(1), d = q.size(2);
-  const int64_t num_blocks = kv_cache.size(0), bs = kv_cache.size(2), hkv = kv_cache.size(3);
-  TORCH_CHECK_VALUE(kv_cache.size(4) == d, "kv_cache head_dim ", kv_cache.size(4), " != q head_dim ", d);
+  const int64_t num_blocks = kv_cache.size(0), bs = kv_cache.size(2), hkv = kv_cache.size(3), w = kv_cache.size(4);
+  const bool scaled = kv_cache.element_size() == 1 && w == d + 4;  // 8-bit rows with their scale
+  TORCH_CHECK_VALUE(w == d || scaled, "kv_cache rows of ", w, " elements hold neither q's head_dim ", d,
+                    " nor (8-bit) head_dim values and a 4-byte scale");
   TORCH_CHECK_VALUE(hkv > 0 && hq % hkv == 0, "num_q_heads (", hq, ") must be a multiple of num_kv_heads (", hkv, ")");
   const int64_t B = kv_last_page_len.numel();
   check_index(qo_indptr, "qo_indptr", B + 1);
@@ -758,15 +815,16 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   P.out = out.data_ptr();
   P.cache = kv_cache.data_ptr();
   P.q_dtype = dtype_of(q, "q");
-  P.kv_dtype = dtype_of(kv_cache, "kv_cache");
+  P.kv_dtype = kv_dtype_of(kv_cache);
+  P.scaled = scaled;
   P.qo = qo;
   P.kv_indptr = kvp;
   P.kv_indices = idx;
   P.kv_lens = kv_lens.data();
-  P.hq = hq; P.hkv = hkv; P.g = g; P.d = d; P.bs = bs; P.q_stride = q.stride(0);
-  P.slot_stride = hkv * d;
-  P.v_offset = bs * hkv * d;
-  P.block_stride = 2 * bs * hkv * d;
+  P.hq = hq; P.hkv = hkv; P.g = g; P.d = d; P.w = w; P.bs = bs; P.q_stride = q.stride(0);
+  P.slot_stride = hkv * w;
+  P.v_offset = bs * hkv * w;
+  P.block_stride = 2 * bs * hkv * w;
   P.qscale = static_cast<float>(scale) * kLog2e;
 
   auto go = [&](auto kernels) {
@@ -775,6 +833,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::
       case DType::F32: run_items<K, float>(P, items, bounds); break;
       case DType::BF16: run_items<K, c10::BFloat16>(P, items, bounds); break;
       case DType::F16: run_items<K, c10::Half>(P, items, bounds); break;
+      case DType::I8: run_items<K, int8_t>(P, items, bounds); break;
+      case DType::E5M2: run_items<K, c10::Float8_e5m2>(P, items, bounds); break;
+      case DType::E4M3: run_items<K, c10::Float8_e4m3fn>(P, items, bounds); break;
     }
   };
 #ifdef KVLLM_X86

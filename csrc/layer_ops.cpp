@@ -4,6 +4,7 @@
 //   rope_(q, k, cos, sin)                     rotate-half RoPE, in place, on q [T, Hq, D] and k [T, Hkv, D]
 //   silu_mul(x, out)                          out = silu(x[:, :I]) * x[:, I:]   (x = the fused gate/up projection)
 //   write_kv(k, v, kv_cache, slot_mapping)    new K/V rows into their page slots, converted to the cache's dtype
+//                                             (8-bit pages: quantized, each row's scale after its values)
 //   argmax(x, out)                            out[r] = torch.argmax(x[r]) of float32 rows (the greedy draw)
 // Why: written in torch these are ~25 ops a layer, and each op over more than 32K elements (a decode step of 64
 // sequences already has 36K hidden values) is an OpenMP parallel region. Under passive waiting
@@ -15,11 +16,15 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 
 #include "ops.h"
@@ -356,16 +361,56 @@ void copy_heads(const at::Tensor& src, Dst* dst, int64_t t) {
     for (int64_t i = 0; i < d; ++i) dst[h * d + i] = static_cast<Dst>(static_cast<float>(s[h * hs + i]));
 }
 
+// The 8-bit page formats (paging/kv_format.py): a row is D one-byte values, then the float32 scale max|x| / qmax.
+// Same arithmetic as KVFormat.quantize (x / scale, clamp, round half to even or c10's fp8 rounding), so both write
+// the same bytes.
+template <typename Dst> constexpr float kQmax = 127.f;
+template <> constexpr float kQmax<c10::Float8_e4m3fn> = 448.f;
+template <> constexpr float kQmax<c10::Float8_e5m2> = 57344.f;
+
+template <typename Dst>
+inline Dst quantize_one(float y) {
+  if constexpr (std::is_same_v<Dst, int8_t>) return static_cast<int8_t>(std::nearbyint(y));
+  else return Dst(y);
+}
+
+template <typename Src, typename Dst>
+void quantize_heads(const at::Tensor& src, Dst* dst, int64_t t, bool scaled) {
+  const Src* s = src.data_ptr<Src>() + t * src.stride(0);
+  const int64_t heads = src.size(1), d = src.size(2), hs = src.stride(1), w = scaled ? d + 4 : d;
+  constexpr float qmax = kQmax<Dst>;
+  for (int64_t h = 0; h < heads; ++h) {
+    const Src* x = s + h * hs;
+    Dst* row = dst + h * w;
+    float scale = 1.f;
+    if (scaled) {
+      float amax = 0.f;
+      for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
+      scale = amax / qmax;
+      std::memcpy(row + d, &scale, sizeof(float));
+      if (!(scale > 0.f)) scale = 1.f;
+    }
+    for (int64_t i = 0; i < d; ++i)
+      row[i] = quantize_one<Dst>(std::clamp(static_cast<float>(x[i]) / scale, -qmax, qmax));
+  }
+}
+
 template <typename Src, typename Dst>
 void write_kv_typed(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache, const int64_t* slots) {
   const int64_t t = k.size(0), bs = cache.size(2), row = cache.size(3) * cache.size(4);
-  Dst* base = cache.data_ptr<Dst>();
+  const bool scaled = cache.size(4) != k.size(2);
+  Dst* base = static_cast<Dst*>(cache.data_ptr());
   for_rows(t, 2 * row, [&](int64_t t0, int64_t t1) {
     for (int64_t i = t0; i < t1; ++i) {
       const int64_t block = slots[i] / bs, off = slots[i] - block * bs;
       Dst* kdst = base + ((block * 2) * bs + off) * row;  // [block, 0, off]
-      copy_heads<Src, Dst>(k, kdst, i);
-      copy_heads<Src, Dst>(v, kdst + bs * row, i);  // [block, 1, off]
+      if constexpr (sizeof(Dst) == 1) {
+        quantize_heads<Src, Dst>(k, kdst, i, scaled);
+        quantize_heads<Src, Dst>(v, kdst + bs * row, i, scaled);  // [block, 1, off]
+      } else {
+        copy_heads<Src, Dst>(k, kdst, i);
+        copy_heads<Src, Dst>(v, kdst + bs * row, i);  // [block, 1, off]
+      }
     }
   });
 }
@@ -376,7 +421,11 @@ void write_kv_from(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache, 
     case at::kFloat: return write_kv_typed<Src, float>(k, v, cache, slots);
     case at::kBFloat16: return write_kv_typed<Src, c10::BFloat16>(k, v, cache, slots);
     case at::kHalf: return write_kv_typed<Src, c10::Half>(k, v, cache, slots);
-    default: TORCH_CHECK_VALUE(false, "kv_cache must be float32, bfloat16 or float16, got ", cache.scalar_type());
+    case at::kChar: return write_kv_typed<Src, int8_t>(k, v, cache, slots);
+    case at::kFloat8_e5m2: return write_kv_typed<Src, c10::Float8_e5m2>(k, v, cache, slots);
+    case at::kFloat8_e4m3fn: return write_kv_typed<Src, c10::Float8_e4m3fn>(k, v, cache, slots);
+    default: TORCH_CHECK_VALUE(false, "kv_cache must be float32, bfloat16, float16, int8, float8_e5m2 or "
+                               "float8_e4m3fn, got ", cache.scalar_type());
   }
 }
 
@@ -386,7 +435,9 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, co
                     "kv_cache must be a contiguous [num_blocks, 2, block_size, Hkv, D] CPU tensor");
   for (const auto* t : {&k, &v})
     TORCH_CHECK_VALUE(t->device().is_cpu() && t->dim() == 3 && t->stride(2) == 1 && t->size(1) == kv_cache.size(3) &&
-                          t->size(2) == kv_cache.size(4) && t->scalar_type() == k.scalar_type(),
+                          (t->size(2) == kv_cache.size(4) ||
+                           (kv_cache.element_size() == 1 && t->size(2) + 4 == kv_cache.size(4))) &&
+                          t->scalar_type() == k.scalar_type(),
                       "k and v must be [T, Hkv, D] CPU tensors of one dtype, head_dim contiguous, matching kv_cache's "
                       "[.., Hkv, D] = ", kv_cache.sizes().slice(3));
   TORCH_CHECK_VALUE(v.size(0) == k.size(0), "k and v must have the same number of tokens");

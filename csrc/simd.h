@@ -5,6 +5,8 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -70,6 +72,20 @@ inline __m256 load8(const c10::Half* p) {
 inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+// 8-bit KV rows (paging/kv_format.py): int8 as integers; fp8_e5m2 is the high byte of an fp16; fp8_e4m3's 7 bits
+// sign-less bits placed at fp16's bits 13..7 give its value / 256 (bias 7 against 15, subnormals included), which the
+// attention kernel folds into the row scale.
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const c10::Float8_e5m2* p) {
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8));
+}
+inline __m256 load8(const c10::Float8_e4m3fn* p) {
+  const __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x80)), 8),
+                                      _mm_slli_epi16(_mm_and_si128(u, _mm_set1_epi16(0x7F)), 7)));
 }
 
 // 8 floats rounded to bfloat16 bits, nearest even, NaN as 0x7FC0: c10::BFloat16's own rounding, so a row stored

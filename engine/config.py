@@ -10,13 +10,14 @@ import torch
 
 from compression.config import KVCompressionConfig, coerce
 from engine.argspec import setting
-from engine.attention import ATTENTION_BACKENDS
+from engine.attention import ATTENTION_BACKENDS, cpu_ext, resolve_backend_name
 from engine.hub import ModelSource
 from engine.models.backends import GEMM_BACKENDS, LAYER_OPS
 from engine.models.quant import QUANTIZATIONS
 from engine.scheduler import PREEMPTION_MODES, SCHEDULING_POLICIES
 from engine.structured_params import PARSE_DEPTH, GrammarLimits
 from paging.kv_cache import bytes_per_block, num_blocks_for_memory
+from paging.kv_format import KV_DTYPE_NAMES, KVFormat, kv_format
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
@@ -128,7 +129,7 @@ def _choices(registry) -> tuple[str, ...]:
 
 
 DTYPES = ("auto", *_DTYPES)
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32", "half", "fp16", "bf16", "float", "fp32")
+KV_CACHE_DTYPES = ("auto", *KV_DTYPE_NAMES)
 
 
 @dataclass
@@ -182,8 +183,10 @@ class EngineConfig:
     gpu_memory_utilization: float = setting(0.9, help="CUDA: share of the device's memory the model weights and the "
                                                       "KV pool may take together (vLLM's meaning)")
     kv_cache_dtype: str | torch.dtype = setting("auto", choices=KV_CACHE_DTYPES,
-                                                help="dtype of the KV pages (auto: the model's); half pages on CPU "
-                                                     "keep float32 compute")
+                                                help="dtype of the KV pages (auto: the model's): a float dtype, or "
+                                                     "8-bit pages: int8 (per-token, per-head scales; CPU), fp8_e5m2 / "
+                                                     "fp8_e4m3 (fp8: e4m3; on CPU with per-token scales, on CUDA "
+                                                     "FlashInfer's fp8 pages); attention computes in the model dtype")
     enable_prefix_caching: bool = setting(True, help="reuse the KV blocks of cached prompt prefixes")
     max_model_len: int | None = setting(None, parse=positive, help="longest prompt + output, e.g. 4096 or 32k "
                                                                        "(default: the model's, fitted to the pool)")
@@ -264,8 +267,9 @@ class EngineConfig:
             parse_memory(self.kv_cache_memory)
         if self.kv_cache_dtype != "auto" and not (
                 self.kv_cache_dtype in _DTYPES.values() if isinstance(self.kv_cache_dtype, torch.dtype)
-                else self.kv_cache_dtype in _DTYPES):
-            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.kv_cache_dtype!r}")
+                else self.kv_cache_dtype in KV_DTYPE_NAMES):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(KV_DTYPE_NAMES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         _positive_int("structured_outputs_compile_threads", self.structured_outputs_compile_threads)
         self.grammar_limits()  # a ValueError naming the setting now
         # resolved once: every request's own setting is merged over this typed config (compression/config.py)
@@ -291,18 +295,21 @@ class EngineConfig:
         return ModelSource(self.model, self.tokenizer, self.revision, self.tokenizer_revision, self.download_dir,
                            self.trust_remote_code)
 
-    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-        """The KV pages' dtype. Attention, compression scorers and sampling still compute in the model dtype: a
-        half-precision cache halves the bytes a decode step reads (what bounds CPU decode at long contexts) and
-        doubles the blocks a memory budget holds. CPU only for now (the CUDA path plans FlashInfer with one dtype)."""
-        kv = model_dtype if self.kv_cache_dtype == "auto" else parse_dtype(self.kv_cache_dtype)
-        if kv != model_dtype:
-            if device.type != "cpu":
-                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} differs from the model dtype; only 'auto' "
-                                 f"is supported on {device.type}")
-            if self.tensor_parallel_size > 1:
-                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: use 'auto' with tensor_parallel_size > 1")
-        return kv
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype, device: torch.device) -> KVFormat:
+        """The KV pages' format (paging/kv_format.py). Attention, compression scorers and sampling still compute in
+        the model dtype: fewer bytes per cached token means fewer bytes a decode step reads (what bounds CPU decode at
+        long contexts) and more blocks in a memory budget. A float dtype other than the model's is CPU only; 8-bit
+        pages carry a scale per row except under FlashInfer (fp8 only, read with scale 1). What the backend cannot
+        run is an error naming the flag, never a silent fallback."""
+        backend = resolve_backend_name(self.attention_backend, device)
+        fmt = kv_format(self.kv_cache_dtype, model_dtype, row_scales=backend != "flashinfer")
+        if fmt.storage != model_dtype and device.type != "cpu" and not fmt.is_8bit:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} differs from the model dtype; on "
+                             f"{device.type} use 'auto' or an 8-bit format")
+        if backend == "cpu" and fmt.is_8bit and fmt.storage != torch.int8 and not cpu_ext.converts_fp8_in_hardware():
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: this CPU has no F16C/AVX2, which the attention "
+                             "kernel's fp8 conversion needs; use --kv-cache-dtype int8 (any CPU)")
+        return fmt
 
     def resolve_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -79,18 +79,18 @@ class EngineCore:
             QUANTIZATIONS.get(config.quantization)(self.model)
         GEMM_BACKENDS.get(config.gemm_backend)(self.model, config.quantization is not None)
         self.model.gguf_reader = None  # the GGUF file's mapping (kept by the loader for gemm_backend 'gguf')
-        return (config.resolve_num_blocks(self.model_config, self.kv_dtype, self.device),
-                config.host_blocks(self.model_config, self.kv_dtype), KVCacheManager)
+        return (config.resolve_num_blocks(self.model_config, self.kv_format, self.device),
+                config.host_blocks(self.model_config, self.kv_format), KVCacheManager)
 
     def _build(self, config: EngineConfig) -> None:
-        self.kv_dtype = config.resolve_kv_cache_dtype(self.dtype, self.device)
+        self.kv_format = config.resolve_kv_cache_dtype(self.dtype, self.device)
         num_blocks, host_blocks, kv_manager = self._load(config)
         self.model.set_layer_ops(pick_layer_ops(config.layer_ops, self.model))
         cfg = self.model_config
         self.max_model_len = config.fit_max_model_len(config.resolve_max_model_len(cfg.max_position_embeddings),
                                                       num_blocks)
         self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, self.model.num_local_kv_heads,
-                                cfg.head_dim, self.kv_dtype, self.device)
+                                cfg.head_dim, self.kv_format, self.device)
         self.kv = kv_manager(self.kv_cache, config.enable_prefix_caching, host_blocks, compute_dtype=self.dtype)
         self.attn = get_backend(config.attention_backend, self.device)
         tp = self.driver  # under tensor parallelism each plan and each round goes to the workers first
@@ -311,6 +311,7 @@ class EngineCore:
         s.num_free_blocks, s.kv_cache_usage = self.kv.num_free_blocks, self.kv.pool.usage()
         s.query_cache_bytes = sum(q.compression.query_cache_bytes() for q in running if q.compression is not None)
         s.full_tier_bytes = self.kv.full_tier_bytes
+        s.kv_cache_bytes_per_token = self.kv_cache.bytes_per_token
         s.prefix_cache_queries, s.prefix_cache_hits = self.kv.prefix_queries, self.kv.prefix_hits
         return s
 

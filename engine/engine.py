@@ -93,6 +93,11 @@ class Engine:
         return self.core.max_model_len
 
     @property
+    def kv_cache_format(self) -> str:
+        """The KV pages' format, 'auto' resolved: float32, bfloat16, float16, int8, fp8_e4m3 or fp8_e5m2."""
+        return self.core.kv_cache.format.name
+
+    @property
     def kv_compression_config(self):
         """The engine-wide `compression.KVCompressionConfig` (method "none" when off)."""
         return self.core.stage.default

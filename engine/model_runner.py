@@ -68,7 +68,7 @@ class ModelRunner:
     def _plan(self, meta) -> None:
         # this rank's heads (all of them without tensor parallelism)
         self.attn.plan(meta, self.model.num_local_q_heads, self.model.num_local_kv_heads, self.config.head_dim,
-                       self.dtype)
+                       self.dtype, self.kv_cache.format.storage)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:

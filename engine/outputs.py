@@ -64,6 +64,8 @@ class EngineStats:
     num_blocks: int = _gauge("Total KV blocks in the pool.", "num_kv_blocks")
     num_free_blocks: int = _gauge("Free KV blocks in the pool.", "num_free_kv_blocks")
     kv_cache_usage: float = _gauge("KV-cache usage: fraction of KV blocks in use (0..1).", "kv_cache_usage_perc", 0.0)
+    kv_cache_bytes_per_token: int = _gauge("KV-cache bytes one cached token takes over all layers, 8-bit pages' "
+                                           "scales included (this rank's KV heads under tensor parallelism).")
     query_cache_bytes: int = _gauge("Bytes held now by the running sequences' query caches.")
     full_tier_bytes: int = _gauge("Host memory holding lossless full caches and swapped blocks now.")
     num_steps: int = _counter("Engine steps that ran a batch.")

@@ -109,7 +109,8 @@ def _child_main(conn, model: str, kwargs: dict, threads: int | None, log_level: 
     engine.add_step_observer(counter)
     info = {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
             "model_config": engine.model_config, "config": engine.config, "model_source": engine.model_source,
-            "kv_compression_config": engine.kv_compression_config, "tokenizer": engine.tokenizer}
+            "kv_compression_config": engine.kv_compression_config, "tokenizer": engine.tokenizer,
+            "kv_cache_format": engine.kv_cache_format}
     conn.send([("ready", info)])
     sender = threading.Thread(target=_send_loop, args=(conn, outq), name="kvllm-engine-send", daemon=True)
     sender.start()
@@ -215,6 +216,7 @@ class ProcessEngine:
         self.model_name, self.max_model_len = info["model_name"], info["max_model_len"]
         self.model_config, self.config, self.model_source = info["model_config"], info["config"], info["model_source"]
         self.kv_compression_config, self.tokenizer = info["kv_compression_config"], info["tokenizer"]
+        self.kv_cache_format = info["kv_cache_format"]
         self._reader = threading.Thread(target=self._read_loop, name="kvllm-engine-recv", daemon=True)
         self._reader.start()
 

@@ -1,6 +1,7 @@
 """In-place compaction of a sequence's paged KV after compression (pure torch, no model code).
 
-The KV tensor is `[L, num_blocks, 2, block_size, Hkv, D]` (see paging/kv_cache.py). A sequence's KV slot s lives at
+The KV tensor is `[L, num_blocks, 2, block_size, Hkv, W]` (see paging/kv_cache.py; an 8-bit row carries its scale
+in its last 4 elements, so moving a row moves its scale). A sequence's KV slot s lives at
 block ``block_table[s // block_size]``, offset ``s % block_size``. Compacting a region [start, start + len) with
 per-(layer, head) kept indices `kept [L, Hkv, K]` (relative to start, sorted) rewrites, for every layer and head:
 
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+
+from paging.kv_format import format_of
 
 
 @dataclass
@@ -83,7 +86,8 @@ def _check_job(kv: torch.Tensor, job: CompactionJob, check_indices: bool) -> Non
     if (job.new_keys is None) != (job.new_values is None):
         raise ValueError("new_keys and new_values must be given together")
     if job.new_keys is not None:
-        want = (L, hkv, K, kv.shape[-1])
+        d = job.new_keys.shape[-1]  # head_dim: an 8-bit page row is head_dim values and its scale
+        want = (L, hkv, K, d if format_of(kv, d).width(d) == kv.shape[-1] else kv.shape[-1])
         for name, t in (("new_keys", job.new_keys), ("new_values", job.new_values)):
             if tuple(t.shape) != want:
                 raise ValueError(f"{name} must be [L, Hkv, K, D] = {list(want)}, got {tuple(t.shape)}")
@@ -120,9 +124,10 @@ def compact_batch(kv: torch.Tensor, jobs: Sequence[CompactionJob], check_indices
     off = 0
     for job in jobs:  # merging jobs: their computed rows replace the gathered ones
         K = job.kept.shape[-1]
-        if job.new_keys is not None:
-            kept_vals[:, :, off:off + K, 0] = job.new_keys.to(device=dev, dtype=kv.dtype)
-            kept_vals[:, :, off:off + K, 1] = job.new_values.to(device=dev, dtype=kv.dtype)
+        if job.new_keys is not None:  # quantized to the pages' format (with their own scales)
+            fmt = format_of(kv, job.new_keys.shape[-1])
+            kept_vals[:, :, off:off + K, 0] = fmt.quantize(job.new_keys.to(dev))
+            kept_vals[:, :, off:off + K, 1] = fmt.quantize(job.new_values.to(dev))
         off += K
     kv[li, k_db, :, k_do, hi] = kept_vals
     kv[:, t_db, :, t_do] = tail_vals

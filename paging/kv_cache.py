@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from paging.kv_format import KVFormat, as_format
+
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
@@ -32,24 +34,30 @@ def _zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
     return buf[start:start + nbytes].view(dtype).view(shape).zero_()
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    fmt: torch.dtype | KVFormat) -> int:
+    """Bytes of one block over all layers, K and V, scales included (8-bit formats)."""
+    return num_layers * 2 * block_size * num_kv_heads * as_format(fmt).row_bytes(head_dim)
 
 
 def num_blocks_for_memory(memory_bytes: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                          dtype: torch.dtype) -> int:
-    return int(memory_bytes // bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype))
+                          fmt: torch.dtype | KVFormat) -> int:
+    return int(memory_bytes // bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, fmt))
 
 
 class KVCache:
-    """`data` is `[L, num_blocks, 2, block_size, Hkv, D]`; `layers[l]` is layer l's `[num_blocks, 2, block_size,
-    Hkv, D]` view (`[:, 0]` keys, `[:, 1]` values)."""
+    """`data` is `[L, num_blocks, 2, block_size, Hkv, W]`; `layers[l]` is layer l's `[num_blocks, 2, block_size,
+    Hkv, W]` view (`[:, 0]` keys, `[:, 1]` values). W is head_dim, plus the scale's 4 bytes in the 8-bit formats
+    (paging/kv_format.py)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 fmt: torch.dtype | KVFormat, device: torch.device | str = "cpu"):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim)
+        self.head_dim = head_dim
+        self.format = as_format(fmt)
+        dtype = self.format.storage
+        shape = (num_layers, num_blocks, 2, block_size, num_kv_heads, self.format.width(head_dim))
         huge = _zeros_in_huge_pages(shape, dtype) if torch.device(device).type == "cpu" else None
         self.data = huge if huge is not None else torch.zeros(shape, dtype=dtype, device=device)
         self.layers = list(self.data.unbind(0))
@@ -62,11 +70,17 @@ class KVCache:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one cached token takes over all layers (scales included)."""
+        return self.nbytes // max(1, self.num_tokens)
+
     def capacity_line(self, max_model_len: int) -> str:
         concurrency = self.num_tokens / max_model_len
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
-                f"({self.nbytes / 2**20:.1f} MiB, {str(self.data.dtype).removeprefix('torch.')}); max concurrency for {max_model_len}-token requests: "
-                f"{concurrency:.2f}x")
+                f"({self.nbytes / 2**20:.1f} MiB, {self.format.name}: {self.bytes_per_token} bytes/token, "
+                f"{2**30 // max(1, self.bytes_per_token)} tokens/GiB); "
+                f"max concurrency for {max_model_len}-token requests: {concurrency:.2f}x")
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

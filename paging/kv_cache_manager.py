@@ -322,7 +322,8 @@ class KVCacheManager:
         table = torch.tensor(seq.block_table, dtype=torch.long)
         dev = kv.data.device
         out = kv.data[:, table[slots // bs].to(dev), which, (slots % bs).to(dev)].transpose(1, 2)
-        return out if self.compute_dtype is None else out.to(self.compute_dtype)
+        # scorers see the values attention sees: 8-bit rows dequantized with their own scales
+        return kv.format.dequantize(out, self.compute_dtype)
 
     def gather_keys(self, seq: "Sequence", start: int, length: int) -> torch.Tensor:
         """Keys of KV slots [start, start + length), all layers: [L, Hkv, length, D]."""

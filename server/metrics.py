@@ -110,7 +110,9 @@ class EngineStatsCollector(Collector):
         labels = {
             "block_size": getattr(cfg, "block_size", None),
             "num_gpu_blocks": getattr(stats, "num_blocks", None),
-            "cache_dtype": getattr(cfg, "kv_cache_dtype", None),
+            "cache_dtype": getattr(cfg, "kv_cache_dtype", None),  # the flag, as vLLM's label; resolved below
+            "kv_cache_format": getattr(self.engine, "kv_cache_format", None),
+            "kv_cache_bytes_per_token": getattr(stats, "kv_cache_bytes_per_token", None),
             "enable_prefix_caching": getattr(cfg, "enable_prefix_caching", None),
             "kv_compression": getattr(comp, "method", None),
         }

@@ -34,8 +34,10 @@ __version__ = "0.7.2.post1+cpu-double"
 
 CUDA_CORE_DECODE_GROUPS = frozenset({1, 2, 3, 4, 6, 8, 16})  # FlashInfer's DISPATCH_GQA_GROUP_SIZE
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # KV pages only: q and the output stay 16/32-bit
 _DTYPE_NAMES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-                "float32": torch.float32, "float": torch.float32}
+                "float32": torch.float32, "float": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn,
+                "float8_e5m2": torch.float8_e5m2}
 
 # Every wrapper built while the double is installed, in order (tests inspect what kvllm planned).
 WRAPPERS: list = []
@@ -50,11 +52,12 @@ def _require(cond: bool, msg: str) -> None:
         raise ContractError(msg)
 
 
-def _dtype(x, name: str) -> torch.dtype:
+def _dtype(x, name: str, fp8: bool = False) -> torch.dtype:
     if isinstance(x, str):
         _require(x in _DTYPE_NAMES, f"{name}={x!r} is not a dtype FlashInfer's paged kernels take")
         x = _DTYPE_NAMES[x]
-    _require(x in FLOAT_DTYPES, f"{name}={x!r} is not a dtype FlashInfer's paged kernels take")
+    _require(x in FLOAT_DTYPES or (fp8 and x in FP8_DTYPES), f"{name}={x!r} is not a dtype FlashInfer's paged "
+             "kernels take")
     return x
 
 
@@ -132,7 +135,7 @@ def check_plan(qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, nu
         pages = ix[ip[i]:ip[i + 1]]
         _require(len(set(pages)) == len(pages), f"request {i} lists a page twice: {pages}")
     q_dt = _dtype(q_data_type, "q_data_type")
-    kv_dt = _dtype(kv_data_type if kv_data_type is not None else q_dt, "kv_data_type")
+    kv_dt = _dtype(kv_data_type if kv_data_type is not None else q_dt, "kv_data_type", fp8=True)
     o_dt = _dtype(o_data_type if o_data_type is not None else q_dt, "o_data_type")
     _require(sm_scale is None or (isinstance(sm_scale, float) and sm_scale > 0), f"bad sm_scale {sm_scale!r}")
     plan = Plan(qo, ip, ix, lp, hq, hkv, d, ps, bool(causal), q_dt, kv_dt, o_dt,

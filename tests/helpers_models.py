@@ -118,7 +118,16 @@ class TPRunner(Runner):
 
 def new_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype=torch.float32, device="cpu") -> list[torch.Tensor]:
-    """Per-layer NHD page tensors [num_blocks, 2, block_size, Hkv, D], views of one tensor like KVCache."""
+    """Per-layer NHD page tensors [num_blocks, 2, block_size, Hkv, D], views of one tensor like KVCache (NaN where
+    nothing was written). `dtype` may name an 8-bit format (paging/kv_format.py): rows of D values and their scale,
+    filled with 0x7F bytes."""
+    if isinstance(dtype, str):
+        from paging.kv_format import kv_format
+
+        fmt = kv_format(dtype, torch.float32)
+        kv = torch.full((num_layers, num_blocks, 2, block_size, num_kv_heads, fmt.width(head_dim)), 0x7F,
+                        dtype=torch.uint8, device=device).view(fmt.storage)
+        return list(kv.unbind(0))
     kv = torch.full((num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim), float("nan"),
                     dtype=dtype, device=device)
     return list(kv.unbind(0))

@@ -12,9 +12,11 @@ from test_kara import dense_kara_scores, ref_token2chunk
 
 
 class ReferenceDecoder:
-    def __init__(self, hf_model, kv_dtype: torch.dtype | None = None):
+    def __init__(self, hf_model, kv_dtype=None):
         self.m = copy.deepcopy(hf_model).double().eval()
-        self.kv_dtype = kv_dtype  # K/V stored rounded to this dtype (a half-precision KV cache), then used in float64
+        # K/V stored rounded to this dtype (a half-precision KV cache), or through this function ([Hkv, D] float64 ->
+        # the values an 8-bit cache gives back), then used in float64
+        self.kv_dtype = kv_dtype
         c = self.m.config
         self.L, self.hq, self.hkv = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
         self.d = c.hidden_size // self.hq
@@ -41,7 +43,9 @@ class ReferenceDecoder:
             k = self._rope(a.k_proj(x).view(1, self.hkv, 1, self.d), pos)[0, :, 0]
             v = a.v_proj(x).view(self.hkv, self.d)
             queries.append(q)
-            if self.kv_dtype is not None:
+            if callable(self.kv_dtype):
+                k, v = self.kv_dtype(k), self.kv_dtype(v)
+            elif self.kv_dtype is not None:
                 k, v = k.to(self.kv_dtype).double(), v.to(self.kv_dtype).double()
             if write:
                 for kv in range(self.hkv):

@@ -29,14 +29,14 @@ STEPS = [(TABLES, [5, 5], [5, 5], list(range(5)) + list(range(40, 45))),
          (TABLES, [1, 1], [7, 13], [6, 52])]
 
 
-def _run(model, ops, attn, steps=STEPS, block_size=4, num_blocks=20, seed=3):
+def _run(model, ops, attn, steps=STEPS, block_size=4, num_blocks=20, seed=3, kv_dtype=torch.float32):
     """Final-normed hidden states of each step and the K/V pages after the last, from fresh caches (NaN where no
     step wrote)."""
     from helpers_models import new_kv_cache
 
     c = model.config
     model.set_layer_ops(ops)
-    caches = new_kv_cache(c.num_layers, num_blocks, block_size, model.num_local_kv_heads, c.head_dim, torch.float32)
+    caches = new_kv_cache(c.num_layers, num_blocks, block_size, model.num_local_kv_heads, c.head_dim, kv_dtype)
     gen = torch.Generator().manual_seed(seed)
     hidden = []
     for tables, q_lens, kv_lens, pos in steps:
@@ -53,14 +53,18 @@ def _packed_model(arch):
     return tiny_decoder_pair(arch, pack_linears, std=0.2)[2]
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, "int8", "fp8_e4m3"], ids=["float32", "int8", "fp8_e4m3"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_fused_stack_is_bit_identical_to_the_per_layer_path(arch):
+def test_fused_stack_is_bit_identical_to_the_per_layer_path(arch, kv_dtype):
+    """Hidden states and pages (8-bit ones: values and scales, byte for byte) equal the per-layer path's."""
     model = _packed_model(arch)
     assert why_not_fused(model) is None
     fused = FusedLayerOps(model)
-    ref_hidden, ref_pages = _run(model, CpuLayerOps(), CpuPagedBackend())
-    hidden, pages = _run(model, fused, CpuPagedBackend())
+    ref_hidden, ref_pages = _run(model, CpuLayerOps(), CpuPagedBackend(), kv_dtype=kv_dtype)
+    hidden, pages = _run(model, fused, CpuPagedBackend(), kv_dtype=kv_dtype)
     assert all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
+    if isinstance(kv_dtype, str):
+        pages, ref_pages = pages.view(torch.uint8).float(), ref_pages.view(torch.uint8).float()
     assert torch.equal(pages.nan_to_num(), ref_pages.nan_to_num()) and pages.nan_to_num().abs().sum() > 0
     # the comparison can fail: the same call with two layers' weights swapped differs
     wrong = FusedLayerOps(model)

@@ -86,8 +86,6 @@ def test_compression_swap_and_lossless_work_on_a_half_cache(make_engine):
 def test_bad_kv_cache_dtype_names_the_field(make_engine):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         make_engine(kv_cache_dtype="int4")
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        make_engine(kv_cache_dtype="float16", tensor_parallel_size=2)
 
 
 def test_cli_flag_reaches_the_engine():

@@ -137,19 +137,22 @@ def test_tp2_greedy_equals_tp1_with_kara_compression_over_320_tokens(tiny_dir):
     assert worker["heads"] == (2, 1) and worker["num_blocks"] == 256
 
 
-def test_tp2_equals_tp1_under_memory_pressure(tiny_dir):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_tp2_equals_tp1_under_memory_pressure(tiny_dir, kv_dtype):
     """A pool too small for the batch: compress before preempting (on demand), swap out while the host pool has room,
     then recompute. Rank 0 ships every swap copy; TP=1 and TP=2 take the same decisions (equal block and host-block
-    counts) and produce the same tokens."""
+    counts) and produce the same tokens. On int8 pages each rank quantizes its own KV heads, whose scales are
+    per head, so the shards hold exactly the rows of TP=1's pages, scales included, and move them alike."""
     from paging.kv_cache import bytes_per_block
+    from paging.kv_format import kv_format
 
     prompts = random_prompts(5, (9, 21, 14, 30))
     params = [SamplingParams(temperature=0, max_tokens=140, ignore_eos=True,
                              kv_compression={**KARA, "compression_period": 200 if i % 2 else 24,
                                              "query_source": "cache" if i < 2 else "recompute"}) for i in range(4)]
     # 12 host blocks at TP=1, and at TP=2 too (swap_space is split over the ranks, each block holds half the heads)
-    swap = 12 * bytes_per_block(3, 4, 2, 16, torch.float32)
-    kw = dict(num_kv_blocks=44, watermark=0, preemption_mode="swap", swap_space=f"{swap}B")
+    swap = 12 * bytes_per_block(3, 4, 2, 16, kv_format(kv_dtype, torch.float32))
+    kw = dict(num_kv_blocks=44, watermark=0, preemption_mode="swap", swap_space=f"{swap}B", kv_cache_dtype=kv_dtype)
     ref, ref_stats, _, _ = run(tiny_dir, 1, prompts, params, **kw)
     got, stats, log, [worker] = run(tiny_dir, 2, prompts, params, **kw)
 

@@ -13,6 +13,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from paging.kv_format import format_of
+
 
 class QueryCapture:
     """Collects the post-RoPE queries of chosen tokens from every layer during a forward pass (the compression stage's
@@ -103,7 +105,7 @@ class AttentionBackend(Protocol):
     once per layer."""
 
     def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
-             dtype: torch.dtype) -> None: ...
+             dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> None: ...  # kv_dtype: the pages' (None: dtype)
 
     def forward(
         self,
@@ -117,10 +119,15 @@ class AttentionBackend(Protocol):
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V into the pages at their flat slots (one index_copy_ per K and V)."""
-    num_blocks, _, block_size, h, d = kv_cache.shape
-    rows = kv_cache.view(num_blocks * 2 * block_size, h, d)
+    """Scatter new K/V into the pages at their flat slots (one index_copy_ per K and V), quantized to the pages'
+    format (paging/kv_format.py)."""
+    num_blocks, _, block_size, h, w = kv_cache.shape
+    fmt = format_of(kv_cache, k.shape[-1])
+    rows = kv_cache.view(num_blocks * 2 * block_size, h, w)
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     k_rows = blocks * (2 * block_size) + (slot_mapping - blocks * block_size)
-    rows.index_copy_(0, k_rows, k.to(kv_cache.dtype))
-    rows.index_copy_(0, k_rows + block_size, v.to(kv_cache.dtype))
+    k, v = fmt.quantize(k), fmt.quantize(v)
+    if fmt.is_8bit:  # as bytes: torch has no index_copy_ for float8 on the CPU
+        rows, k, v = rows.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    rows.index_copy_(0, k_rows, k)
+    rows.index_copy_(0, k_rows + block_size, v)

@@ -156,6 +156,12 @@ def load():
             raise ExtensionUnavailable(_error) from exc
 
 
+def converts_fp8_in_hardware() -> bool:
+    """Whether the kernel widens fp8 K/V with F16C instructions (its AVX2 and AVX-512 levels, csrc/simd.h); the
+    portable level would convert every element in software."""
+    return load().isa_level() >= 1
+
+
 def is_available() -> bool:
     try:
         load()

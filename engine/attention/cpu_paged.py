@@ -8,8 +8,9 @@ in one call, parallel over (sequence, KV head, query tile) on torch's intra-op t
 AVX2 and portable loops and takes the best the CPU has (`max_isa` caps it).
 
 float32, bfloat16 and float16 run in the kernel, in any mix of query and cache dtype (half K/V are widened in
-registers, math in float32: `kv_cache_dtype='float16'` halves the bytes a decode step reads); any other dtype or a
-non-CPU tensor goes to TorchPagedBackend.
+registers, math in float32: `kv_cache_dtype='float16'` halves the bytes a decode step reads). 8-bit pages (int8,
+fp8_e5m2, fp8_e4m3 with a scale per row, paging/kv_format.py) are widened in registers too, their scales applied to
+scores and probabilities: a quarter of float32's bytes. Any other dtype or a non-CPU tensor goes to TorchPagedBackend.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from engine.attention.base import AttentionMetadata
 from engine.attention.torch_paged import TorchPagedBackend
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the page dtypes the kernel reads: the float ones and the 8-bit formats of paging/kv_format.py
+CACHE_DTYPES = (*KERNEL_DTYPES, torch.int8, torch.float8_e5m2, torch.float8_e4m3fn)
 
 
 class CpuPagedBackend:
@@ -33,7 +36,7 @@ class CpuPagedBackend:
         self.max_isa = max_isa  # 2: AVX-512 where the CPU has it; 1: AVX2 at most; 0: portable (tests of each level)
 
     def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
-             dtype: torch.dtype) -> None:
+             dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> None:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         if dtype not in KERNEL_DTYPES or meta.qo_indptr.device.type != "cpu":
@@ -42,7 +45,7 @@ class CpuPagedBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if (q.dtype not in KERNEL_DTYPES or kv_cache.dtype not in KERNEL_DTYPES or q.device.type != "cpu"
+        if (q.dtype not in KERNEL_DTYPES or kv_cache.dtype not in CACHE_DTYPES or q.device.type != "cpu"
                 or not kv_cache.is_contiguous()):
             return self._fallback.forward(q, k, v, kv_cache, meta, scale)
         if k is not None:  # one C++ call for K and V (torch's write_kv is ~8 ops a layer)

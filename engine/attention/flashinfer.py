@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import torch
 
 from engine.attention.base import AttentionMetadata
+from paging.kv_format import format_of
 
 FLASHINFER_VERSION = "0.7.2.post1"  # the version whose API this file was written against
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace; must be zeroed before first use
@@ -210,12 +211,13 @@ class FlashInferBackend:
             self._planned_once = True
 
     def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
-             dtype: torch.dtype) -> None:
+             dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> None:
         tensor_cores = needs_tensor_cores(num_q_heads, num_kv_heads)
         self._wait_previous_plan()
         inp = plan_inputs(meta, pin=self._cuda)
         kv_indices = meta.kv_indices.to(self.device, torch.int32, non_blocking=True)
-        common = dict(pos_encoding_mode="NONE", q_data_type=dtype, kv_data_type=dtype)
+        # fp8 pages (paging/kv_format.py, no row scales here) are read by the kernels as they are: scale 1
+        common = dict(pos_encoding_mode="NONE", q_data_type=dtype, kv_data_type=kv_dtype or dtype)
         if meta.is_decode_only:
             wrapper = self._decode_wrapper(tensor_cores)
             wrapper.plan(inp["kv_indptr"], kv_indices, inp["kv_last_page_len"], num_q_heads, num_kv_heads,
@@ -236,14 +238,15 @@ class FlashInferBackend:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         step = self._step
         if step is None or (step.meta is not None and step.meta is not meta):  # not planned: plan now
-            self.plan(meta, q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype)
+            self.plan(meta, q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype, kv_cache.dtype)
             step = self._step
         if k is not None:
             if step.write_blocks is None:
                 raise RuntimeError("forward() got new K/V but the step's metadata has no slot mapping "
                                    "(it was built with write=False)")
-            kv_cache[step.write_blocks, 0, step.write_offsets] = k.to(kv_cache.dtype)
-            kv_cache[step.write_blocks, 1, step.write_offsets] = v.to(kv_cache.dtype)
+            fmt = format_of(kv_cache, q.shape[2])  # fp8 pages: clamped to the format's range (a cast would give NaN)
+            kv_cache[step.write_blocks, 0, step.write_offsets] = fmt.quantize(k)
+            kv_cache[step.write_blocks, 1, step.write_offsets] = fmt.quantize(v)
         # plan() used FlashInfer's default sm_scale 1/sqrt(D); any other scale folds in through q_scale.
         ratio = scale * math.sqrt(step.head_dim)
         q_scale = None if abs(ratio - 1.0) < 1e-6 else ratio
@@ -251,7 +254,8 @@ class FlashInferBackend:
 
     # ---- decode CUDA graphs (optional) -----------------------------------------------------------------
     def init_cuda_graphs(self, batch_sizes: Sequence[int], max_pages_per_seq: int, num_q_heads: int,
-                         num_kv_heads: int, head_dim: int, dtype: torch.dtype, scratch_block: int) -> None:
+                         num_kv_heads: int, head_dim: int, dtype: torch.dtype, scratch_block: int,
+                         kv_dtype: torch.dtype | None = None) -> None:
         """One `use_cuda_graph=True` decode wrapper per batch size, over fixed device buffers sized for
         `max_pages_per_seq` pages per sequence. `scratch_block` is a KV block the engine never gives to a
         sequence: padding rows read and write it. Recipe for the model runner (decode steps only;
@@ -270,7 +274,8 @@ class FlashInferBackend:
 
         While in graph mode forward() ignores `meta`'s tensors: it reads only the fixed buffers."""
         tensor_cores = needs_tensor_cores(num_q_heads, num_kv_heads)
-        self._graph_cfg = (num_q_heads, num_kv_heads, head_dim, dtype, scratch_block, max_pages_per_seq)
+        self._graph_cfg = (num_q_heads, num_kv_heads, head_dim, dtype, kv_dtype or dtype, scratch_block,
+                           max_pages_per_seq)
         dev = self.device
         for bs in sorted(set(batch_sizes)):
             wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -295,7 +300,7 @@ class FlashInferBackend:
         eager) uses that wrapper."""
         if self._graph_cfg is None or batch_size not in self._graphs:
             raise ValueError(f"no decode graph wrapper for batch size {batch_size}; call init_cuda_graphs first")
-        hq, hkv, d, dtype, scratch, max_pages = self._graph_cfg
+        hq, hkv, d, dtype, kv_dtype, scratch, max_pages = self._graph_cfg
         too_long = [len(t) for t in meta.block_tables if len(t) > max_pages]
         if too_long:
             raise ValueError(f"a sequence needs {max(too_long)} pages; the graph buffers hold {max_pages}")
@@ -304,7 +309,7 @@ class FlashInferBackend:
         inp = graph_decode_inputs(meta, batch_size, scratch, pin=self._cuda)
         kv_indices = inp["kv_indices"].to(self.device, non_blocking=True)  # D2D into the fixed buffer
         slot.wrapper.plan(inp["kv_indptr"], kv_indices, inp["kv_last_page_len"], hq, hkv, d,
-                          meta.block_size, pos_encoding_mode="NONE", q_data_type=dtype, kv_data_type=dtype)
+                          meta.block_size, pos_encoding_mode="NONE", q_data_type=dtype, kv_data_type=kv_dtype)
         slot.write_blocks.copy_(inp["write_blocks"], non_blocking=True)
         slot.write_offsets.copy_(inp["write_offsets"], non_blocking=True)
         self._plan_recorded()

@@ -8,6 +8,7 @@ plan() turns the step's page table into flat row indices once; forward() per lay
   on CPU than SDPA's flash kernel for this shape (measured at 64 sequences x 272 slots, fp32, one thread);
 - prefill sequences (q_len > 1) loop per sequence with a bottom-right-aligned causal mask.
 Softmax runs in float32 for half/bfloat16 inputs (SDPA's kernels do the same for prefill); the output has q's dtype.
+8-bit pages (paging/kv_format.py) are dequantized as they are gathered: the reference the C++ kernel is tested against.
 
 K/V rows are addressed in the layer's page tensor viewed as [num_blocks * 2 * block_size * Hkv, D]:
 row(block, kv, offset, head) = ((block * 2 + kv) * block_size + offset) * Hkv + head.
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata, write_kv
+from paging.kv_format import format_of
 
 _PAD = 16  # decode KV length is padded to a multiple of this (fewer distinct shapes for the matmul kernels)
 
@@ -82,7 +84,7 @@ class TorchPagedBackend:
         return out
 
     def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
-             dtype: torch.dtype) -> None:
+             dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> None:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         device = meta.qo_indptr.device
@@ -132,12 +134,13 @@ class TorchPagedBackend:
             write_kv(kv_cache, k, v, meta.slot_mapping)
         hq, hkv, d = p.num_q_heads, p.num_kv_heads, p.head_dim
         g = hq // hkv
-        rows = kv_cache.view(-1, d)  # every (block, k/v, offset, head) row
+        fmt = format_of(kv_cache, d)
+        rows = kv_cache.view(-1, kv_cache.shape[-1])  # every (block, k/v, offset, head) row
         out = torch.empty_like(q)
 
         if p.num_decode:
             bd, s_pad = p.num_decode, p.decode_kv_pad
-            kv = self._gather(rows, p.decode_rows).view(2, bd, hkv, s_pad, d).to(q.dtype)
+            kv = fmt.dequantize(self._gather(rows, p.decode_rows), q.dtype).view(2, bd, hkv, s_pad, d)
             qd = q[p.decode_slice] if p.decode_slice is not None else q.index_select(0, p.decode_tokens)
             scores = torch.matmul(qd.reshape(bd, hkv, g, d) * scale, kv[0].transpose(-1, -2))
             if scores.element_size() < 4:
@@ -151,7 +154,7 @@ class TorchPagedBackend:
 
         for pf in p.prefills:
             n = pf.q_len
-            kv = self._gather(rows, pf.rows).view(2, hkv, 1, pf.kv_len, d).to(q.dtype)
+            kv = fmt.dequantize(self._gather(rows, pf.rows), q.dtype).view(2, hkv, 1, pf.kv_len, d)
             # GQA: batch over KV heads, the g query heads of a group see one K/V broadcast (stride 0, no copy)
             qs = q[pf.q_start:pf.q_start + n].reshape(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
             k_, v_ = (t.expand(hkv, g, pf.kv_len, d) for t in kv)

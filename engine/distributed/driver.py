@@ -168,10 +168,11 @@ class TPDriver:
         self._raise_startup_errors([err for err, _ in replies], "load its model shard")
         self._set_heads(model_config, model.num_local_q_heads, model.num_local_kv_heads)
         c = model_config
-        capacity = config.resolve_num_blocks(c, dtype, self.device, model.num_local_kv_heads)
+        fmt = config.resolve_kv_cache_dtype(dtype, self.device)  # every rank stores its heads in this format
+        capacity = config.resolve_num_blocks(c, fmt, self.device, model.num_local_kv_heads)
         # one block id must mean the same slots on every rank: all use the smallest capacity (vLLM, mini-sglang)
         num_blocks = min([capacity] + [n for _, n in replies])
-        host_blocks = config.host_blocks(c, dtype, model.num_local_kv_heads)
+        host_blocks = config.host_blocks(c, fmt, model.num_local_kv_heads)
         self.send(P.Allocate(num_blocks, host_blocks))
         self._raise_startup_errors(self._gather(None)[1:], "allocate its KV cache")
         return model, model_config, tokenizer, num_blocks, host_blocks

@@ -172,7 +172,7 @@ class Worker:
             self.model = load_shard(op.source, op.dtype, self.device, self.tp)
             self.model.set_layer_ops(pick_layer_ops(op.config.layer_ops, self.model))
             self.model_config = op.source.config
-            capacity = op.config.resolve_num_blocks(self.model_config, op.dtype, self.device,
+            capacity = op.config.resolve_num_blocks(self.model_config, self._kv_format(), self.device,
                                                     local_kv_heads(self.model_config, self.tp))
             reply = (None, capacity)
         except Exception:
@@ -181,15 +181,19 @@ class Worker:
         if reply[0] is not None:
             raise RuntimeError(f"rank {self.tp.rank} could not load its shard")
 
+    def _kv_format(self):
+        return self.config.resolve_kv_cache_dtype(self.dtype, self.device)
+
     def _allocate(self, op: P.Allocate) -> None:
         try:
             c = self.model_config
             cache = KVCache(c.num_layers, op.num_blocks, self.config.block_size, self.model.num_local_kv_heads,
-                            c.head_dim, self.dtype, self.device)
+                            c.head_dim, self._kv_format(), self.device)
             attn = get_backend(self.config.attention_backend, self.device)
             self.runner = ModelRunner(self.model, c, cache, attn, self.device, self.dtype)
-            self.kv = _ShardKV(KVCacheManager(cache, enable_prefix_caching=False, host_blocks=op.host_blocks),
-                               self.pending_checks)
+            # scorers read keys in the model dtype on every rank, as on rank 0 (engine/core.py)
+            self.kv = _ShardKV(KVCacheManager(cache, enable_prefix_caching=False, host_blocks=op.host_blocks,
+                                              compute_dtype=self.dtype), self.pending_checks)
             self.stage = CompressionStage(None, self.device.type)
             reply = None
         except Exception:

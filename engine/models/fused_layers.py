@@ -8,7 +8,7 @@ allocation per op), which at a small model's decode step is several milliseconds
 
 It applies where every one of those kernels would run anyway: a float32 model on the CPU, not split by tensor
 parallelism, without per-head q/k norms (Qwen3), every layer linear a BlockLinear or PackedLinear (gemm_backend
-gguf or cpu), the cpu attention backend on a float32, bfloat16 or float16 cache, and no query capture in the step
+gguf or cpu), the cpu attention backend on a float or 8-bit cache (engine/attention/cpu_paged.py), and no query capture in the step
 (a compression scorer reading the step's queries). A forward that does not qualify takes the per-layer path.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from engine.attention.base import AttentionMetadata
     from engine.models.llama import DecoderLM
 
-CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e5m2, torch.float8_e4m3fn)
 
 
 def why_not_fused(model: torch.nn.Module) -> str | None:
