@@ -80,11 +80,25 @@ def ample_units(args, quality: dict, runs: list[dict]) -> list[tuple]:
                    ["ample"])
 
 
-def _engine(args, blocks: int, max_len: int, num_seqs: int):
+def kv_pool_scale(args) -> float:
+    """Blocks of --kv-cache-dtype pages in the bytes of one block of model-dtype pages: a pool 'for N uncompressed
+    sequences' is N sequences' bytes at the model dtype whatever the KV dtype (scales counted)."""
+    import torch
+
+    from paging.kv_format import kv_format
+
+    fmt, base = kv_format(args.kv_cache_dtype, getattr(torch, args.dtype)), kv_format("auto", getattr(torch, args.dtype))
+    return base.row_bytes(64) / fmt.row_bytes(64)  # head_dim of SmolLM2; the ratio barely depends on it
+
+
+def _engine(args, blocks: int, max_len: int, num_seqs: int, pool: bool = False):
     from engine import Engine
 
+    if pool:  # a pressured pool: the same bytes at any KV dtype
+        blocks = int(blocks * kv_pool_scale(args))
     return Engine(model=args.model, dtype=args.dtype, device="cpu", block_size=16, num_kv_blocks=blocks,
-                  max_model_len=max_len, max_num_batched_tokens=2048, max_num_seqs=num_seqs, watermark=0.0)
+                  max_model_len=max_len, max_num_batched_tokens=2048, max_num_seqs=num_seqs, watermark=0.0,
+                  kv_cache_dtype=args.kv_cache_dtype)
 
 
 def run_unit(args, unit) -> tuple[tuple, object, tuple[float, float]]:
@@ -127,7 +141,8 @@ def _throughput_unit(args, window: int, pool: str, settings, say) -> list[dict]:
     out_len = output_len(args, window)
     per_seq = -(-(32 + out_len) // 16)
     num = num_requests(args, pool)
-    eng = _engine(args, per_seq * (num if pool == "ample" else int(pool)), 32 + out_len + 1, num)
+    eng = _engine(args, per_seq * (num if pool == "ample" else int(pool)), 32 + out_len + 1, num,
+                  pool=pool != "ample")
     prompts = text_prompts(eng.tokenizer, num, 32)
     run_requests(eng, prompts[:2], SamplingParams(temperature=0, max_tokens=4), 2, prefix="warm")
     return throughput_runs(eng, prompts, settings, out_len, pool, bracket=not args.no_bracket, progress=say,
@@ -163,6 +178,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="KV pages of every run (e.g. int8): the KV dtype axis; the pressured pools keep the bytes of "
+                         "N model-dtype sequences, so an 8-bit run holds more tokens; its section is its own")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), help=f"default: {' '.join(METHODS)}")
     ap.add_argument("--windows", type=int, nargs="+", default=[128, 256, 512], help="|W| values")
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.2, 0.3, 0.5])
@@ -221,7 +239,8 @@ def main() -> None:
     if not args.no_write:
         from bench.common import write_section
 
-        write_section(SECTION, command.strip(), body)
+        write_section(SECTION if args.kv_cache_dtype == "auto" else f"{SECTION}, KV pages {args.kv_cache_dtype}",
+                      command.strip(), body)
 
 
 def _sweep_argv(argv: list[str]) -> list[str]:

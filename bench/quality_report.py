@@ -186,3 +186,25 @@ def plot(results: list[MethodResult], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def kv_dtype_table(rows: list[tuple[str, int, list[MethodResult]]], bound: dict[str, float]) -> str:
+    """One line per (KV dtype, method): NLLs as the increase over the full-precision full cache (the first row's
+    "none"). `rows`: (KV dtype, bytes per cached token, its results); `bound`: the allowed text-NLL increase (%) by
+    row label, marked meets / misses."""
+    ref = next(r for r in rows[0][2] if r.method == "none")
+    pct = lambda a, b: f"{100 * (a / b - 1):+.2f}%"  # noqa: E731
+    lines = ["| KV dtype | bytes / token | compression | kept KV slots | text NLL | Δ text NLL | NLL after 1st round "
+             "| Δ | recall NLL | Δ recall NLL | bound |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name, bpt, results in rows:
+        for res in results:
+            label = "none" if res.method == "none" else f"{_label(res)} r={res.ratio:g}"
+            key = f"{name} + {res.method}"
+            verdict = "-"
+            if key in bound:
+                ok = 100 * (res.text_nll / ref.text_nll - 1) <= bound[key]
+                verdict = f"<= {bound[key]:g}%: {'meets' if ok else 'misses'}"
+            lines.append(f"| {name} | {bpt} | {label} | {res.kv_len / res.logical_len:.1%} | {res.text_nll:.4f} "
+                         f"| {pct(res.text_nll, ref.text_nll)} | {res.late_nll:.4f} | {pct(res.late_nll, ref.late_nll)} "
+                         f"| {res.recall_nll:.3f} | {pct(res.recall_nll, ref.recall_nll)} | {verdict} |")
+    return "\n".join(lines)

@@ -44,31 +44,45 @@ SIZES = {  # full / quick
 }
 
 
+def kv_variants(args) -> list[tuple[str, dict, dict]]:
+    """(label, kvllm kwargs, vLLM kwargs) of the KV dtypes each part runs: both engines at their default KV dtype,
+    then, with --kv-cache-dtype, both at their 8-bit one."""
+    out = [("default", {}, {})]
+    if args.kv_cache_dtype:
+        kvllm_kv, vllm_kv = args.kv_cache_dtype
+        out.append(("8-bit", {"kv_cache_dtype": kvllm_kv}, {"kv_cache_dtype": vllm_kv}))
+    return out
+
+
 def offline(args, tok, out: Path, log: list) -> list[dict]:
     sizes = SIZES["offline"][args.quick]
     workloads = [{"name": f"{n} x {i}/{o}", "prompts": text_prompts(tok, n, i, seed=k), "output_len": o}
                  for k, (n, i, o) in enumerate(sizes)]
     results = []
     for threads in args.thread_counts:
-        spec = {"model_dir": str(args.model_dir), "kvllm_model": args.kvllm_model, "threads": threads,
-                "max_num_seqs": MAX_NUM_SEQS,
-                "max_num_batched_tokens": MAX_BATCHED, "max_model_len": MAX_MODEL_LEN, "kv_cache_gib": KV_GIB,
-                "repeats": args.repeats, "warmup_prompts": text_prompts(tok, 2, 16, seed=99),
-                "workloads": workloads, "vllm_kwargs": {"enable_prefix_caching": False},
-                "kvllm_kwargs": {"enable_prefix_caching": False}, "dtype": args.dtype}
-        spec_path = out / f"offline_spec_t{threads}.json"
-        spec_path.write_text(json.dumps(spec))
-        for engine in args.engine_order:
-            res = out / f"offline_{engine}_t{threads}.json"
-            cmd = ([str(venv_python()), str(ROOT / "bench" / "vs_vllm_offline.py"), "vllm"] if engine == "vllm"
-                   else [sys.executable, "-m", "bench.vs_vllm_offline", "kvllm"])
-            cmd += ["--spec", str(spec_path), "--out", str(res)]
-            env = vllm_env(threads) if engine == "vllm" else None
-            with open(out / f"offline_{engine}_t{threads}.log", "w") as f:
-                subprocess.run(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=True)
-            results.append(json.loads(res.read_text()))
-            _progress(results[-1])
-        log.append(f"offline t={threads}: " + display(cmd))
+        for label, kvllm_kw, vllm_kw in kv_variants(args):
+            suffix = "" if label == "default" else "_kv8"
+            spec = {"model_dir": str(args.model_dir), "kvllm_model": args.kvllm_model, "threads": threads,
+                    "max_num_seqs": MAX_NUM_SEQS,
+                    "max_num_batched_tokens": MAX_BATCHED, "max_model_len": MAX_MODEL_LEN, "kv_cache_gib": KV_GIB,
+                    "repeats": args.repeats, "warmup_prompts": text_prompts(tok, 2, 16, seed=99),
+                    "workloads": workloads, "vllm_kwargs": {"enable_prefix_caching": False, **vllm_kw},
+                    "kvllm_kwargs": {"enable_prefix_caching": False, **kvllm_kw}, "dtype": args.dtype}
+            spec_path = out / f"offline_spec_t{threads}{suffix}.json"
+            spec_path.write_text(json.dumps(spec))
+            for engine in args.engine_order:
+                res = out / f"offline_{engine}_t{threads}{suffix}.json"
+                cmd = ([str(venv_python()), str(ROOT / "bench" / "vs_vllm_offline.py"), "vllm"] if engine == "vllm"
+                       else [sys.executable, "-m", "bench.vs_vllm_offline", "kvllm"])
+                cmd += ["--spec", str(spec_path), "--out", str(res)]
+                env = vllm_env(threads) if engine == "vllm" else None
+                with open(out / f"offline_{engine}_t{threads}{suffix}.log", "w") as f:
+                    subprocess.run(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=True)
+                results.append({**json.loads(res.read_text()), "kv": label,
+                                "kv_cache_dtype": (kvllm_kw if engine == "kvllm" else vllm_kw).get("kv_cache_dtype",
+                                                                                                  "auto")})
+                _progress(results[-1])
+            log.append(f"offline t={threads} ({label} KV): " + display(cmd))
     return results
 
 
@@ -142,31 +156,66 @@ def memory(args, tok, out: Path, log: list) -> list[dict]:
         "kvllm+kara": ["--block-size", str(kvllm_block), "--num-kv-blocks", str(kvllm_blocks),
                        "--kv-compression", json.dumps(KARA, separators=(",", ":"))],
     }
+    pool_tokens = {"vllm": vllm_blocks * vllm_block, "kvllm": kvllm_blocks * kvllm_block,
+                   "kvllm+kara": kvllm_blocks * kvllm_block}
+    if args.kv_cache_dtype:  # 8-bit rows: the same pool bytes as vLLM's default-dtype pool
+        kvllm_kv, vllm_kv = args.kv_cache_dtype
+        pool_bytes = vllm_blocks * vllm_block * vllm_bytes_per_token(args.model_dir, args.dtype)
+        v8_blocks = pool_bytes // (vllm_block * vllm_bytes_per_token(args.model_dir, args.dtype, vllm_kv))
+        k8_blocks = pool_bytes // kvllm_block_bytes(args.model_dir, kvllm_block, args.dtype, kvllm_kv)
+        settings[f"vllm+{vllm_kv}"] = ["--block-size", str(vllm_block), "--num-gpu-blocks-override",
+                                       str(v8_blocks + 1), "--kv-cache-dtype", vllm_kv]
+        for name, extra in ((f"kvllm+{kvllm_kv}", []), (f"kvllm+kara+{kvllm_kv}", ["--kv-compression", "kara"])):
+            settings[name] = ["--block-size", str(kvllm_block), "--num-kv-blocks", str(k8_blocks),
+                              "--kv-cache-dtype", kvllm_kv] + extra
+        pool_tokens.update({f"vllm+{vllm_kv}": v8_blocks * vllm_block, f"kvllm+{kvllm_kv}": k8_blocks * kvllm_block,
+                            f"kvllm+kara+{kvllm_kv}": k8_blocks * kvllm_block})
     base = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_BATCHED), "--max-model-len",
             max_len, "--no-enable-prefix-caching"]
     rows = []
+    names = [n for n in settings if n.startswith("vllm")], [n for n in settings if n.startswith("kvllm")]
     for threads in args.memory_thread_counts:
-        for name in ["vllm", "kvllm", "kvllm+kara"] if "vllm" == args.engine_order[0] else \
-                ["kvllm", "kvllm+kara", "vllm"]:
+        for name in names[0] + names[1] if "vllm" == args.engine_order[0] else names[1] + names[0]:
             log_path = out / f"memory_{name}_t{threads}.log"
             # VLLM_CPU_KVCACHE_SPACE=1 only spares vLLM's check of free memory against --gpu-memory-utilization
             # (this machine is shared); the override sets the pool
             server = (vllm_server(args.model_dir, args.port, threads, log_path, kv_gib=1,
-                                  flags=base + settings[name], dtype=args.dtype) if name == "vllm" else
+                                  flags=base + settings[name], dtype=args.dtype) if name.startswith("vllm") else
                       kvllm_server(args.kvllm_model, args.port, threads, log_path, flags=base + settings[name],
                                    dtype=args.dtype))
             with server:
                 res = out / f"memory_{name}_t{threads}.json"
                 r = run_client("vllm", server, w, args.model_dir, res, out / (res.stem + "_client.log"))
             rows.append({"threads": threads, "server": name, "result": r, "startup_s": server.startup_s,
-                         "idle_cores": server.idle_cores,
-                         "pool_tokens": vllm_blocks * vllm_block if name == "vllm" else kvllm_blocks * kvllm_block})
+                         "idle_cores": server.idle_cores, "pool_tokens": pool_tokens[name]})
             print(f"memory {name} t={threads}: {r['completed']} ok / {r['failed']} failed, "
                   f"{r['output_throughput']:.1f} tok/s, preemptions {r['_counters'].get('num_preemptions')}",
                   flush=True)
             log.append(f"memory t={threads} {name}: " + display(server.cmd))
     log.append("memory client: " + display(rows[0]["result"]["_command"].split()))
     return rows
+
+
+def vllm_bytes_per_token(model_dir: Path, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """vLLM's KV bytes per token: K and V of every layer and KV head, one element each of the model dtype, or one byte
+    for its fp8 formats (no scales: vLLM's CPU fp8 pages use one scale per layer)."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    d = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    elem = 1 if kv_cache_dtype.startswith("fp8") else (4 if dtype == "float32" else 2)
+    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * d * elem
+
+
+def kvllm_block_bytes(model_dir: Path, block_size: int, dtype: str, kv_cache_dtype: str) -> int:
+    """kvllm's KV bytes per block in that KV dtype, scales included (paging/kv_cache.py)."""
+    import torch
+
+    from paging.kv_cache import bytes_per_block
+    from paging.kv_format import kv_format
+
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    d = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return bytes_per_block(c["num_hidden_layers"], block_size, c["num_key_value_heads"], d,
+                           kv_format(kv_cache_dtype, getattr(torch, dtype)))
 
 
 def main() -> None:
@@ -182,6 +231,10 @@ def main() -> None:
     ap.add_argument("--request-rate", default="inf", help="serving part: requests/s (Poisson) or inf")
     ap.add_argument("--engine-order", default="kvllm,vllm", help="which engine runs first at each thread count")
     ap.add_argument("--port", type=int, default=8791)
+    ap.add_argument("--kv-cache-dtype", default=None, metavar="KVLLM,VLLM",
+                    help="also run both engines at these 8-bit KV dtypes (e.g. int8,fp8_e5m2): offline at the same "
+                         "KV memory, memory-limited on the same pool bytes as vLLM's default-dtype pool, where kvllm "
+                         "also runs with the default --kv-compression kara")
     ap.add_argument("--out", default=None, help="folder for every JSON and log (default build/vs_vllm/<time>)")
     ap.add_argument("--skip-check", action="store_true", help="skip the GGUF-vs-directory greedy check")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md or docs/results/")
@@ -196,6 +249,7 @@ def main() -> None:
     args.thread_counts = [int(t) for t in args.threads.split(",")]
     args.memory_thread_counts = [int(t) for t in (args.memory_threads or args.threads).split(",")]
     args.engine_order = args.engine_order.split(",")
+    args.kv_cache_dtype = args.kv_cache_dtype.split(",") if args.kv_cache_dtype else None
     parts = args.parts.split(",")
     out = Path(args.out or ROOT / "build" / "vs_vllm" / time.strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ def section(dtype: str) -> str:
     """float32 (the issue's comparison) keeps the original section; another dtype gets its own."""
     return SECTION if dtype == "float32" else f"{SECTION}, {dtype}"
 TARGET_SPEED, TARGET_MEMORY = 1.5, 2.0  # issue 27: kvllm >= 1.5x offline / serving, kvllm+Kara >= 2x memory-limited
+TARGET_KV8_MEMORY = 4.0  # issue 49: kvllm + default Kara + 8-bit KV >= 4x vLLM at its default KV dtype, equal bytes
 
 
 def _verdict(ratio: float, target: float) -> str:
@@ -46,22 +47,37 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> str:
 
 
 def offline_table(results: list[dict]) -> str:
-    by = {(r["engine"], r["threads"]): r for r in results}
-    lines = ["| threads | workload | kvllm output tok/s | vLLM output tok/s | kvllm / vLLM | kvllm tok per CPU-s (cores) "
-             "| vLLM tok per CPU-s (cores) | kvllm busiest-thread bound | vLLM busiest-thread bound | bound ratio "
-             "| greedy outputs equal |",
-             "|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    """One line per (threads, KV variant, workload): kvllm against vLLM at the same variant; an 8-bit line also
+    against vLLM at its default KV dtype."""
+    by = {(r["engine"], r["threads"], r.get("kv", "default")): r for r in results}
+    kv_rows = any(r.get("kv", "default") != "default" for r in results)
+    lines = ["| threads | KV dtype (kvllm / vLLM) | workload | kvllm output tok/s | vLLM output tok/s | kvllm / vLLM "
+             "| kvllm / vLLM at its default KV | kvllm tok per CPU-s (cores) | vLLM tok per CPU-s (cores) "
+             "| kvllm busiest-thread bound | vLLM busiest-thread bound | bound ratio | greedy outputs equal |",
+             "|---:|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|---|"]
     for threads in sorted({r["threads"] for r in results}):
-        k, v = by.get(("kvllm", threads)), by.get(("vllm", threads))
-        if not (k and v):
-            continue
-        for wk, wv in zip(k["workloads"], v["workloads"]):
-            bound = (f"{wk['tok_per_busiest_s'] / wv['tok_per_busiest_s']:.2f}x"
-                     if "tok_per_busiest_s" in wk and "tok_per_busiest_s" in wv else "-")
-            lines.append(f"| {threads} | {wk['name']} | {wk['tok_s']:.1f} | {wv['tok_s']:.1f} | "
-                         f"{_verdict(wk['tok_s'] / wv['tok_s'], TARGET_SPEED)} | {_per_cpu(wk)} | {_per_cpu(wv)} | "
-                         f"{_bound(wk)} | {_bound(wv)} | {bound} | {_agreement(wk['first_ids'], wv['first_ids'])} |")
+        for kv in dict.fromkeys(r.get("kv", "default") for r in results):
+            k, v = by.get(("kvllm", threads, kv)), by.get(("vllm", threads, kv))
+            base = by.get(("vllm", threads, "default"))
+            if not (k and v):
+                continue
+            for i, (wk, wv) in enumerate(zip(k["workloads"], v["workloads"])):
+                bound = (f"{wk['tok_per_busiest_s'] / wv['tok_per_busiest_s']:.2f}x"
+                         if "tok_per_busiest_s" in wk and "tok_per_busiest_s" in wv else "-")
+                vs_base = (f"{wk['tok_s'] / base['workloads'][i]['tok_s']:.2f}x" if base and kv != "default" else "-")
+                kv_name = f"{k.get('kv_cache_dtype', 'auto')} / {v.get('kv_cache_dtype', 'auto')}"
+                lines.append(f"| {threads} | {kv_name} | {wk['name']} | {wk['tok_s']:.1f} | {wv['tok_s']:.1f} | "
+                             f"{_verdict(wk['tok_s'] / wv['tok_s'], TARGET_SPEED)} | {vs_base} | {_per_cpu(wk)} | "
+                             f"{_per_cpu(wv)} | {_bound(wk)} | {_bound(wv)} | {bound} | "
+                             f"{_agreement(wk['first_ids'], wv['first_ids'])} |")
+    if not kv_rows:  # the earlier table's shape: no KV columns
+        lines = [_drop_columns(line, (1, 6)) for line in lines]
     return "\n".join(lines)
+
+
+def _drop_columns(line: str, cols: tuple[int, ...]) -> str:
+    cells = line.split("|")[1:-1]
+    return "|" + "|".join(c for i, c in enumerate(cells) if i not in cols) + "|"
 
 
 def _bound(w: dict) -> str:
@@ -120,7 +136,10 @@ def memory_table(rows: list[dict]) -> str:
         ratio = ""
         if base and row["server"] != "vllm":
             x = r["output_throughput"] / base["output_throughput"]
-            ratio = _verdict(x, TARGET_MEMORY) if row["server"] == "kvllm+kara" else f"{x:.2f}x"
+            target = {"kvllm+kara": TARGET_MEMORY}.get(row["server"],
+                                                       TARGET_KV8_MEMORY if row["server"].startswith("kvllm+kara+")
+                                                       else None)
+            ratio = _verdict(x, target) if target else f"{x:.2f}x"
         extra = (lambda k: f"{c[k]:.0f}" if k in c else "-")  # noqa: E731
         lines.append(f"| {row['threads']} | {row['server']} | {row['pool_tokens']} | {r['completed']} / "
                      f"{r['failed']} | {r['output_throughput']:.1f} | {ratio} | {r['median_ttft_ms'] / 1e3:.1f} | "
@@ -183,7 +202,12 @@ def render(data: dict, sizes: dict, args) -> str:
                      f"all sent at once by `vllm bench serve`; KV pool for {pool} uncompressed sequences: vLLM "
                      f"block 32 (its CPU attention takes multiples of 32) with `--num-gpu-blocks-override`, kvllm "
                      f"block 16 with `--num-kv-blocks`; vLLM preempts by recompute, kvllm swaps or recomputes by "
-                     f"cost; Kara as in bench/compression_throughput.py):\n\n" + memory_table(data["memory"]))
+                     f"cost; Kara as in bench/compression_throughput.py"
+                     + ("; the 8-bit KV rows (`--kv-cache-dtype`) get the same pool bytes as vLLM's default-dtype "
+                        "pool, so more tokens (kvllm's int8 rows carry a float32 scale per token and KV head, vLLM's "
+                        "fp8 pages none), and 'kvllm+kara+<dtype>' runs the default `--kv-compression kara`"
+                        if any(r["server"].count("+") > (r["server"] == "kvllm+kara") for r in data["memory"])
+                        else "") + "):\n\n" + memory_table(data["memory"]))
     parts.append("**Startup** (vLLM compiles its model with torch inductor on a cache miss, minutes on this CPU; "
                  "the cache is in build/vllm-cache, and vLLM 0.32's default AOT cache fails to load with torch 2.13, "
                  "so VLLM_USE_AOT_COMPILE=0; the last column is the CPU a started server burns over 5 s with no "
