@@ -56,9 +56,10 @@ import torch
 
 from bench.common import DOCS, RESULTS, write_section
 from compression import KVCompressionConfig
-from bench.quality_cases import (DEFAULT_WINDOW, METHODS, PASSAGE_MODULES, Trial, equal_kv_ratio,  # noqa: F401
-                                 make_trials, method_config, passages, spread_leads, synthetic_trials)
-from bench.quality_report import LABELS, MethodResult, kv_dtype_table, plot, reading, tables  # noqa: F401
+from bench.quality_cases import (DEFAULT_WINDOW, METHODS, PASSAGE_MODULES, Trial, case_layout,  # noqa: F401
+                                 equal_kv_ratio, make_trials, method_config, passages, spread_leads,
+                                 synthetic_trials)
+from bench.quality_report import LABELS, MethodResult, plot, reading, tables  # noqa: F401
 from compression.base import WindowBatch, as_selection
 
 PLOT = DOCS.parent / "compression_quality.png"
@@ -339,40 +340,6 @@ def diagnose(engine, trials: list[Trial], methods: Sequence[str], ratios: Sequen
     return "\n".join(lines)
 
 
-# the issue's quality bounds for 8-bit pages (text-NLL increase over the float32 full cache, %)
-KV_BOUNDS = {"int8 + none": 0.5, "int8 + kara": 1.5}
-
-
-def kv_dtype_axis(args, engine_cls, blocks: int, seqs: int, ctx_len: int, leads, filler: int, t_start: float) -> None:
-    """Every KV dtype of --kv-cache-dtype on the same trials: none and Kara at r=0.3 (|W| 512, the engine default's
-    window), one engine each; NLLs against the first dtype's full cache."""
-    rows, trials = [], None
-    for name in args.kv_cache_dtype:
-        engine = engine_cls(model="smollm2", dtype="float32", device="cpu", max_model_len=8192, num_kv_blocks=blocks,
-                            max_num_seqs=max(64, seqs), max_num_batched_tokens=max(2048, seqs * 16 + ctx_len * seqs),
-                            kv_cache_dtype=name)
-        trials = trials or make_trials(engine.tokenizer, args.trials, filler_len=filler, lead_len=leads,
-                                       passage_len=args.passage_len, context_len=ctx_len)
-        results = evaluate(engine, trials, ["none", "kara"], [0.3], DEFAULT_WINDOW, batch_seqs=args.batch_seqs)
-        rows.append((engine.kv_cache_format, engine.stats().kv_cache_bytes_per_token, results))
-        print(f"[{time.perf_counter() - t_start:6.0f} s] {name}: " + ", ".join(
-            f"{r.method} text NLL {r.text_nll:.4f}" for r in results), file=sys.stderr, flush=True)
-        engine.shutdown()
-    w = DEFAULT_WINDOW
-    body = kv_dtype_table(rows, KV_BOUNDS) + "\n\n" + (
-        f"SmolLM2-135M-Instruct (float32 compute), {args.trials} trials of compression_quality's cases (a "
-        f"{ctx_len}-token context, a {len(trials[0].continuation)}-token continuation of licence text with a planted "
-        f"passage and its repetition), teacher-forced through the engine's paged cache with the KV pages in each "
-        f"dtype: its bytes per cached token over all layers (8-bit rows carry a float32 scale per token and KV "
-        f"head), Kara at |W|={w['window']}, |U|={w['buffer']}, r=0.3, γ={w['chunk_max']}, α={w['chunk_budget']} "
-        f"(the engine default's window and budget). Δ: increase over the {rows[0][0]} full cache. "
-        f"{time.perf_counter() - t_start:.0f} s.")
-    print(body)
-    if not args.no_write:
-        cmd = "python -m bench.compression_quality " + " ".join(sys.argv[1:])
-        write_section("KV dtype and compression quality (teacher-forced NLL, SmolLM2)", cmd.strip(), body)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ratio", type=float, nargs="+", default=[0.2, 0.3, 0.5],
@@ -393,10 +360,6 @@ def main() -> None:
                     help="torch threads (default 1: on a shared 2-core machine 2 OpenMP threads are far slower)")
     ap.add_argument("--diagnose", action="store_true",
                     help="only the cheap selection diagnostic (first window of each trial; no NLL runs)")
-    ap.add_argument("--kv-cache-dtype", nargs="+", default=None,
-                    help="the KV dtype axis: score none and the engine's default Kara (r=0.3) with the KV pages in each "
-                         "of these dtypes (e.g. float32 int8 fp8_e4m3 fp8_e5m2; the first is the reference) instead "
-                         "of the method table")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/results/compression_quality.md and the plot")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -408,19 +371,11 @@ def main() -> None:
     ctx_len = 32
     body_len = args.max_tokens - 2 * args.passage_len  # lead-in + filler
     region = DEFAULT_WINDOW["window"] - DEFAULT_WINDOW["buffer"]
-    leads = (spread_leads(args.trials, region, args.passage_len) if args.lead == "spread"
-             else [int(args.lead)] * args.trials)
-    filler = body_len - max(leads)
-    if filler < 1:
-        raise SystemExit(f"--max-tokens must exceed {max(leads) + 2 * args.passage_len}")
-    cont_len = body_len + 2 * args.passage_len
     runs = 1 + (len([m for m in methods if m != "none"])) * len(args.ratio)
-    seqs = min(args.batch_seqs, args.trials * runs)
-    blocks = seqs * math.ceil((ctx_len + cont_len + 16) / 16) + 16
+    lay = case_layout(args.trials, args.max_tokens, args.passage_len, args.lead, runs, args.batch_seqs, ctx_len)
+    leads, filler, cont_len, seqs, blocks = lay.leads, lay.filler, lay.cont_len, lay.seqs, lay.blocks
     if args.diagnose:  # one sequence of context + first window at a time
         seqs, blocks = 1, math.ceil((ctx_len + DEFAULT_WINDOW["window"] + 16) / 16) + 16
-    if args.kv_cache_dtype:
-        return kv_dtype_axis(args, Engine, blocks, seqs, ctx_len, leads, filler, t_start)
     engine = Engine(model="smollm2", dtype="float32", device="cpu", max_model_len=8192, num_kv_blocks=blocks,
                     max_num_seqs=max(64, seqs), max_num_batched_tokens=max(2048, seqs * 16 + ctx_len * seqs))
     trials = make_trials(engine.tokenizer, args.trials, filler_len=filler, lead_len=leads,

@@ -94,11 +94,11 @@ def kv_pool_scale(args) -> float:
 def _engine(args, blocks: int, max_len: int, num_seqs: int, pool: bool = False):
     from engine import Engine
 
-    if pool:  # a pressured pool: the same bytes at any KV dtype
+    if pool and getattr(args, "kv_cache_dtype", "auto") != "auto":  # a pressured pool: the same bytes at any KV dtype
         blocks = int(blocks * kv_pool_scale(args))
     return Engine(model=args.model, dtype=args.dtype, device="cpu", block_size=16, num_kv_blocks=blocks,
                   max_model_len=max_len, max_num_batched_tokens=2048, max_num_seqs=num_seqs, watermark=0.0,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
 
 def run_unit(args, unit) -> tuple[tuple, object, tuple[float, float]]:

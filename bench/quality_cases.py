@@ -55,6 +55,31 @@ def spread_leads(num_trials: int, region: int, passage_len: int) -> list[int]:
     return [round(k * last / (num_trials - 1)) for k in range(num_trials)]
 
 
+@dataclass
+class Layout:
+    """How the trials of one run are sized: lead-ins, filler, continuation, and the KV blocks and batch of the
+    engine that scores them."""
+    leads: list[int]
+    filler: int
+    cont_len: int
+    seqs: int
+    blocks: int
+
+
+def case_layout(trials: int, max_tokens: int, passage_len: int, lead: str, runs: int, batch_seqs: int,
+                ctx_len: int = 32) -> Layout:
+    """Continuations of `max_tokens` (lead-in + passage + filler + passage again), the passages spread over the first
+    window's region ('spread') or at a fixed lead; `runs` configs of `trials` sequences, at most `batch_seqs` at once."""
+    body_len = max_tokens - 2 * passage_len  # lead-in + filler
+    region = DEFAULT_WINDOW["window"] - DEFAULT_WINDOW["buffer"]
+    leads = spread_leads(trials, region, passage_len) if lead == "spread" else [int(lead)] * trials
+    filler = body_len - max(leads)
+    if filler < 1:
+        raise SystemExit(f"--max-tokens must exceed {max(leads) + 2 * passage_len}")
+    seqs = min(batch_seqs, trials * runs)
+    return Layout(leads, filler, body_len + 2 * passage_len, seqs, seqs * -(-(ctx_len + max_tokens + 16) // 16) + 16)
+
+
 def make_trials(tokenizer, num_trials: int, *, filler_len: int = 2880, lead_len: int | Sequence[int] = 96,
                 passage_len: int = 80, context_len: int = 32) -> list[Trial]:
     """Trials over license text at spread-out offsets; each plants a different passage. ``lead_len`` is one
