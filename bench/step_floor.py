@@ -9,6 +9,9 @@ the measurement behind the vs_vllm reading's "which term holds a row back".
     python -m bench.step_floor                                # threads 1,2; the three vs_vllm decode batches
     python -m bench.step_floor --threads 1 --steps 8 --no-write
 
+`run_child(threads, steps, dtype=..., workloads=[...], offline=[])` measures other decode batches at another dtype
+(bench/vs_vllm_matrix.py: its chat cell at concurrency 32, bfloat16), and `floors(rates, row)` gives their floors.
+
 Rates, measured in the same interpreter right before the rows: the faster of the packed GEMM and torch's (MKL) on
 the model's gate/up projection at 2048 rows (the rate a prefill chunk gets), and one long read of a 1 GiB tensor
 (torch sum). Each thread count runs in its own interpreter (OpenMP reads its wait policy when torch loads).
@@ -33,8 +36,8 @@ TERMS = ("GEMM", "attention", "argmax", "other ops")
 
 
 def term_of(op: str) -> str:
-    if any(k in op for k in ("packed_linear", "block_linear", "int8_linear")) or op in ("aten::addmm", "aten::mm",
-                                                                                      "aten::linear"):
+    if any(k in op for k in ("packed_linear", "block_linear", "int8_linear", "_linear_pointwise")) or op in (
+            "aten::addmm", "aten::mm", "aten::linear"):
         return "GEMM"
     if "paged_attention" in op:
         return "attention"
@@ -43,22 +46,24 @@ def term_of(op: str) -> str:
     return "other ops"
 
 
-def rates(model, threads: int) -> dict:
-    """GFLOP/s of the packed GEMM and of torch's at 2048 rows, and GB/s of one long read, at `threads` threads."""
+def rates(model, threads: int, dtype=None) -> dict:
+    """GFLOP/s of the packed GEMM and of torch's at 2048 rows, and GB/s of one long read, at `threads` threads.
+    At bfloat16 (dtype) the packed GEMM is the model's own oneDNN layer and torch's is F.linear in bfloat16."""
     import torch
 
     from bench.common import median, timed
     from engine.models.packed import PackedLinear
 
     torch.set_num_threads(threads)
+    dtype = dtype or torch.float32
     lin = next(m for name, m in model.named_modules() if name.endswith("gate_up_proj"))
     out_f, in_f = lin.out_features, lin.in_features
-    if not isinstance(lin, PackedLinear):  # e.g. GGUF blocks: the rate of the same weights as float32 panels
-        dense = torch.nn.Linear(in_f, out_f, bias=False)
+    if dtype == torch.float32 and not isinstance(lin, PackedLinear):  # e.g. GGUF blocks: the same weights as
+        dense = torch.nn.Linear(in_f, out_f, bias=False)              # float32 panels
         dense.weight.data = lin.weight.detach().float()
         lin = PackedLinear(dense)
-    x = torch.randn(2048, in_f)
-    dense_w = torch.randn(out_f, in_f)
+    x = torch.randn(2048, in_f, dtype=dtype)
+    dense_w = torch.randn(out_f, in_f, dtype=dtype)
     with torch.no_grad():
         gemm_s = median(timed(lambda: lin(x), 5))
         mkl_s = median(timed(lambda: torch.nn.functional.linear(x, dense_w), 5))
@@ -69,9 +74,9 @@ def rates(model, threads: int) -> dict:
             "gflops": flops / min(gemm_s, mkl_s) / 1e9, "read_gbs": big.numel() * 4 / read_s / 1e9}
 
 
-def linear_numel(model) -> tuple[int, int]:
+def linear_numel(model, weight_bytes: int = 4) -> tuple[int, int]:
     """(weights of every linear layer incl. the LM head, bytes of those weights) as the step reads them: a GGUF
-    block layer (gemm_backend 'gguf') its int8 q and float32 d, m; any other its float32 weights."""
+    block layer (gemm_backend 'gguf') its int8 q and float32 d, m; any other its weights of `weight_bytes` each."""
     total, nbytes = 0, 0
     for m in model.modules():
         if hasattr(m, "in_features") and hasattr(m, "out_features"):
@@ -79,7 +84,7 @@ def linear_numel(model) -> tuple[int, int]:
             if hasattr(m, "q_packed"):
                 nbytes += sum(t.numel() * t.element_size() for t in (m.q_packed, m.d, m.m))
             else:
-                nbytes += m.in_features * m.out_features * 4  # float32 (the vs_vllm rows' dtype)
+                nbytes += m.in_features * m.out_features * weight_bytes
     return total, nbytes
 
 
@@ -93,14 +98,18 @@ def child(spec: dict) -> dict:
     from bench.common import median, text_prompts, timed
     from engine import Engine, SamplingParams
 
-    engine = Engine(model="smollm2", dtype="float32", device="cpu", max_num_seqs=64, max_num_batched_tokens=2048,
-                    max_model_len=1024, kv_cache_memory="2GiB", seed=0, enable_prefix_caching=False)
+    workloads = spec.get("workloads", WORKLOADS)
+    longest = max([slots for _, _, slots in workloads] + [p + o for _, _, p, o in spec.get("offline", OFFLINE)])
+    engine = Engine(model="smollm2", dtype=spec.get("dtype", "float32"), device="cpu", max_num_seqs=64,
+                    max_num_batched_tokens=2048, max_model_len=max(1024, longest + 2 * spec["steps"] + 32),
+                    kv_cache_memory="2GiB", seed=0, enable_prefix_caching=False)
     cfg = engine.model_config
-    out = {"rates": rates(engine.model, spec["threads"]), "rows": []}
+    out = {"dtype": str(engine.dtype).removeprefix("torch."), "rates": rates(engine.model, spec["threads"],
+                                                                             engine.dtype), "rows": []}
     torch.set_num_threads(spec["threads"])
-    weights, weight_bytes = linear_numel(engine.model)
-    kv_bytes_per_slot = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
-    for name, batch, slots in WORKLOADS:
+    weights, weight_bytes = linear_numel(engine.model, torch.empty((), dtype=engine.dtype).element_size())
+    kv_bytes_per_slot = cfg.num_layers * 2 * cfg.num_kv_heads * engine.core.kv_cache.format.row_bytes(cfg.head_dim)
+    for name, batch, slots in workloads:
         params = SamplingParams(temperature=0, max_tokens=spec["steps"] * 2 + 16, ignore_eos=True)
         ids = [f"{name}-{i}" for i in range(batch)]
         for rid, prompt in zip(ids, text_prompts(engine.tokenizer, batch, slots, seed=batch)):
@@ -136,7 +145,7 @@ def child(spec: dict) -> dict:
     out["model"] = {"weights": weights, "head": head, "weight_bytes": weight_bytes, "kv_per_slot": kv_bytes_per_slot,
                     "attn_flops_per_pair": 4 * cfg.num_q_heads * cfg.head_dim * cfg.num_layers}
     out["offline"] = []
-    for name, n, prompt_len, output_len in OFFLINE:
+    for name, n, prompt_len, output_len in spec.get("offline", OFFLINE):
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
         prompts = text_prompts(engine.tokenizer, n, prompt_len, seed=7)
         t0 = time.perf_counter()
@@ -161,12 +170,19 @@ def run_floor(model: dict, rates_: dict, n: int, prompt_len: int, output_len: in
     return prefill, decode
 
 
-def run_child(threads: int, steps: int) -> dict:
-    spec = json.dumps({"threads": threads, "steps": steps})
+def run_child(threads: int, steps: int, **spec) -> dict:
+    """child() in its own interpreter; spec may set dtype, workloads [(name, batch, slots)] and offline runs."""
+    spec = json.dumps({"threads": threads, "steps": steps, **spec})
     proc = subprocess.run([sys.executable, "-m", "bench.step_floor", "--child", spec], capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"child at {threads} threads failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def floors(rates_: dict, row: dict) -> tuple[float, float]:
+    """(GEMM, K/V read) floor seconds of one measured decode step (a row of child())."""
+    gemm = max(row["flops"] / (rates_["gflops"] * 1e9), row["weight_bytes"] / (rates_["read_gbs"] * 1e9))
+    return gemm, row["kv_bytes"] / (rates_["read_gbs"] * 1e9)
 
 
 def table(results: dict[int, dict]) -> str:
@@ -177,8 +193,7 @@ def table(results: dict[int, dict]) -> str:
     for threads, res in results.items():
         r = res["rates"]
         for row in res["rows"]:
-            gemm_floor = max(row["flops"] / (r["gflops"] * 1e9), row["weight_bytes"] / (r["read_gbs"] * 1e9))
-            kv_floor = row["kv_bytes"] / (r["read_gbs"] * 1e9)
+            gemm_floor, kv_floor = floors(r, row)
             ops = row["ops"]
             lines.append(
                 f"| {threads} | {row['workload']}: {row['batch']} x {row['slots']} | {ms(row['step'])} ms | "

@@ -9,6 +9,7 @@ Parts (each runs both engines at every thread count, one after the other, in one
            (`kvllm bench serve`) with the same jsonl prompts, rate and concurrency.
   memory   both servers on a KV pool for ~2 uncompressed sequences of 32 + 1,536 tokens (vLLM
            `--num-gpu-blocks-override`, kvllm `--num-kv-blocks`), kvllm with and without Kara, under vLLM's client.
+  matrix   not in the default parts: the serving matrix of bench/vs_vllm_matrix.py (its own section; `--cells`).
 
 vLLM lives in build/vllm-venv (made on first use by bench/vllm_env.py, never the project's venv); the model is
 SmolLM2-135M-Instruct dequantized from its GGUF to a float32 Hugging Face directory that both engines load, both in
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from bench.common import text_prompts, write_section
 from bench.vllm_env import ROOT, check_greedy_equal, ensure_model_dir, ensure_venv, venv_python, vllm_version
+from bench.vs_vllm_matrix import run as run_matrix
 from bench.vs_vllm_report import render, section
 from bench.vs_vllm_serving import Workload, display, kvllm_server, run_client, vllm_env, vllm_server
 
@@ -230,6 +232,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="offline: runs of each workload (median reported)")
     ap.add_argument("--request-rate", default="inf", help="serving part: requests/s (Poisson) or inf")
     ap.add_argument("--engine-order", default="kvllm,vllm", help="which engine runs first at each thread count")
+    ap.add_argument("--cells", default=None, help="matrix part: cells to run, comma-separated names or globs, "
+                                                   "CONFIG/NAME or NAME (e.g. 'defaults/chat-*,memory/*'; default all)")
     ap.add_argument("--port", type=int, default=8791)
     ap.add_argument("--kv-cache-dtype", default=None, metavar="KVLLM,VLLM",
                     help="also run both engines at these 8-bit KV dtypes (e.g. int8,fp8_e5m2): offline at the same "
@@ -264,6 +268,10 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(str(args.model_dir))
     log: list[str] = []
     data = {"versions": vllm_version(), "check": check, "quick": args.quick, "memory_requests": args.memory_requests}
+    if "matrix" in parts:
+        run_matrix(args, tok, out, data["versions"])  # writes its own section
+        if not set(parts) - {"matrix"}:
+            return
     if "offline" in parts:
         data["offline"] = offline(args, tok, out, log)
     if "serving" in parts:

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -51,6 +52,9 @@ class Server:
     idle_cores: float = 0.0
 
     def start(self, timeout: float = 1800.0) -> "Server":
+        with socket.socket() as sock:  # a server left on the port would answer /health for this one
+            if sock.connect_ex(("127.0.0.1", self.port)) == 0:
+                raise RuntimeError(f"port {self.port} is already in use; pick another with --port")
         self.log.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         with open(self.log, "w") as f:
@@ -120,18 +124,28 @@ class Server:
 
 
 def vllm_server(model_dir: Path, port: int, threads: int, log: Path, *, kv_gib: int | None, flags: list[str],
-                dtype: str = "float32"):
+                dtype: str = "float32", bare: bool = False):
+    """bare: the launch line a user types, the model, host, port and served name then `flags` only (no dtype, seed
+    or log level): vLLM at its own defaults for everything `flags` leaves out."""
     cmd = [str(VENV / "bin" / "vllm"), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", SERVED_NAME, "--dtype", dtype, "--seed", "0", "--uvicorn-log-level", "warning",
-           *flags]
-    return Server("vllm", cmd, vllm_env(threads, kv_gib), port, log)
+           "--served-model-name", SERVED_NAME]
+    if not bare:
+        cmd += ["--dtype", dtype, "--seed", "0", "--uvicorn-log-level", "warning"]
+    return Server("vllm", cmd + flags, vllm_env(threads, kv_gib), port, log)
 
 
-def kvllm_server(model_dir: Path, port: int, threads: int, log: Path, *, flags: list[str], dtype: str = "float32"):
+def kvllm_server(model_dir: Path, port: int, threads: int | None, log: Path, *, flags: list[str],
+                 dtype: str = "float32", bare: bool = False):
+    """bare: as for vllm_server; threads None: no --threads (kvllm serve then runs one thread per core)."""
     cmd = [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", SERVED_NAME, "--dtype", dtype, "--seed", "0", "--threads", str(threads),
-           "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *flags]
-    return Server("kvllm", cmd, {**os.environ, "TQDM_DISABLE": "1"}, port, log)
+           "--served-model-name", SERVED_NAME]
+    if not bare:
+        cmd += ["--dtype", dtype, "--seed", "0"]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    if not bare:
+        cmd += ["--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+    return Server("kvllm", cmd + flags, {**os.environ, "TQDM_DISABLE": "1"}, port, log)
 
 
 @dataclass
@@ -144,11 +158,14 @@ class Workload:
     request_rate: str = "inf"
     num_warmups: int = 2
     test_request: bool = True  # vLLM's client first sends one request of the workload's size, untimed
+    endpoint: str = "/v1/completions"  # or "/v1/chat/completions" (the server applies the chat template)
 
 
 def vllm_client_cmd(w: Workload, model_dir: Path, port: int, result: Path) -> list[str]:
-    cmd = [str(VENV / "bin" / "vllm"), "bench", "serve", "--backend", "openai", "--base-url",
-           f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", SERVED_NAME, "--tokenizer",
+    backend = "openai-chat" if w.endpoint.endswith("/chat/completions") else "openai"
+    # --skip-chat-template on both endpoints: the jsonl holds the raw text; on chat the server templates it
+    cmd = [str(VENV / "bin" / "vllm"), "bench", "serve", "--backend", backend, "--base-url",
+           f"http://127.0.0.1:{port}", "--endpoint", w.endpoint, "--model", SERVED_NAME, "--tokenizer",
            str(model_dir), "--dataset-name", "custom", "--dataset-path", str(w.dataset), "--custom-output-len",
            str(w.output_len), "--skip-chat-template", "--disable-shuffle", "--num-prompts", str(w.num_prompts),
            "--request-rate", w.request_rate, "--ignore-eos", "--temperature", "0", "--num-warmups",
@@ -164,7 +181,7 @@ def vllm_client_cmd(w: Workload, model_dir: Path, port: int, result: Path) -> li
 
 def kvllm_client_cmd(w: Workload, model_dir: Path, port: int, result: Path) -> list[str]:
     cmd = [sys.executable, "-m", "server.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-           "--endpoint", "/v1/completions", "--model", SERVED_NAME, "--tokenizer", str(model_dir), "--dataset",
+           "--endpoint", w.endpoint, "--model", SERVED_NAME, "--tokenizer", str(model_dir), "--dataset",
            f"text:{w.dataset}", "--output-len", str(w.output_len), "--num-prompts", str(w.num_prompts),
            "--request-rate", w.request_rate, "--ignore-eos", "--temperature", "0", "--num-warmups",
            str(w.num_warmups), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",

@@ -1,0 +1,131 @@
+"""bench/vs_vllm_matrix.py without servers: the cells cover every factor level, `--cells` selects what it names,
+the launch lines are the bare ones at the defaults and equal at the explicit settings, the memory pools hold the
+same number of sequences, and the headline marks each cell against its target."""
+from __future__ import annotations
+
+import math
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+from bench import vs_vllm_matrix
+from bench.vs_vllm_cells import CELLS, CONFIGS, ENDPOINTS, MEMORY, REPRO, SHAPES, cell_named, plan, select, sizes
+from bench.vs_vllm_matrix_report import floor_rows, headline_rows, render
+
+
+def test_cells_cover_every_level_and_the_issue_reproduction():
+    names = [c.name for c in CELLS]
+    assert len(set(names)) == len(names)
+    assert {c.endpoint for c in CELLS} == set(ENDPOINTS)
+    assert {c.shape for c in CELLS} == set(SHAPES)
+    assert {c.rate for c in CELLS} == {"inf", "2", "6"}
+    assert {c.concurrency for c in CELLS} == {1, 8, 32, 64}
+    repro = cell_named(REPRO)
+    assert (repro.endpoint, repro.input_len, repro.output_len, repro.rate, repro.concurrency, repro.num_prompts) == \
+        ("chat", 256, 256, "6", 32, 48)
+    # a Poisson cell's arrivals ask for more output tok/s than a server makes, so its tok/s measures the server
+    assert all(float(c.rate) * c.output_len >= 500 for c in CELLS if c.rate != "inf")
+    assert all(c.num_prompts >= c.concurrency for c in CELLS)  # each cell reaches its concurrency
+
+
+def test_select_by_bare_name_config_glob_and_memory():
+    pairs = plan()
+    assert len(pairs) == len(CONFIGS) * len(CELLS) + 1
+    assert select(pairs, None) == pairs
+    assert select(pairs, REPRO) == [("defaults", REPRO), ("explicit", REPRO)]
+    assert select(pairs, f"defaults/{REPRO},memory/*") == [("defaults", REPRO), ("memory", MEMORY.name)]
+    assert {c for c, _ in select(pairs, "explicit/*")} == {"explicit"}
+    assert all(n.startswith("chat-") and n.endswith("-c1") for _, n in select(pairs, "chat-*-c1"))
+    with pytest.raises(ValueError, match="nope"):
+        select(pairs, f"{REPRO},nope")
+
+
+def test_quick_sizes_shrink():
+    n, i, o = sizes(cell_named("chat-reason-inf-c1"), quick=True)
+    assert (n, i, o) == (2, 16, 64)
+    assert sizes(cell_named(REPRO), quick=False) == (48, 256, 256)
+
+
+def _args() -> Namespace:
+    return Namespace(model_dir=Path("build/smollm2-hf"), kvllm_model="smollm2", port=8791, quick=False,
+                     engine_order=["kvllm", "vllm"])
+
+
+def _after_model(cmd: list[str]) -> list[str]:
+    return cmd[cmd.index("serve") + 2:]
+
+
+def test_launch_lines(tmp_path, monkeypatch):
+    monkeypatch.setattr(vs_vllm_matrix, "available_cores", lambda: 2)
+    args = _args()
+    bare = ["--host", "127.0.0.1", "--port", "8791", "--served-model-name", "smollm2"]
+    v = vs_vllm_matrix.server_for("vllm", "defaults", args, tmp_path / "v.log")
+    k = vs_vllm_matrix.server_for("kvllm", "defaults", args, tmp_path / "k.log")
+    assert _after_model(v.cmd) == bare and _after_model(k.cmd) == bare
+    assert v.env["VLLM_CPU_KVCACHE_SPACE"] == k.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert v.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    monkeypatch.setattr(vs_vllm_matrix, "available_cores", lambda: 8)  # kvllm would take 8 threads: told 2
+    k8 = vs_vllm_matrix.server_for("kvllm", "defaults", args, tmp_path / "k.log")
+    assert _after_model(k8.cmd) == bare + ["--threads", "2"]
+    v = vs_vllm_matrix.server_for("vllm", "explicit", args, tmp_path / "v.log")
+    k = vs_vllm_matrix.server_for("kvllm", "explicit", args, tmp_path / "k.log")
+    assert _after_model(v.cmd) == bare + vs_vllm_matrix.EXPLICIT
+    assert _after_model(k.cmd) == bare + ["--threads", "2"] + vs_vllm_matrix.EXPLICIT + ["--kv-cache-memory", "2GiB"]
+
+
+class _WordTokenizer:
+    """Whitespace 'tokens': enough for the prompt cutting and pool arithmetic."""
+
+    def __call__(self, text):
+        return Namespace(input_ids=text.split())
+
+    def decode(self, ids):
+        return " ".join(ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return "system prompt of six words here " + messages[0]["content"] + " assistant"
+
+
+def test_memory_pools_hold_the_same_sequences(tmp_path):
+    w, flags, pools = vs_vllm_matrix.memory_flags(_args(), _WordTokenizer(), tmp_path)
+    assert (w.num_prompts, w.output_len, w.max_concurrency, w.endpoint) == (12, 1024, None, ENDPOINTS["chat"])
+    seq = 6 + MEMORY.input_len + 1 + MEMORY.output_len + 1
+    assert flags["vllm"][flags["vllm"].index("--num-gpu-blocks-override") + 1] == str(3 * math.ceil(seq / 128) + 1)
+    assert flags["kvllm"][flags["kvllm"].index("--num-kv-blocks") + 1] == str(3 * math.ceil(seq / 16))
+    assert flags["kvllm+kara"] == flags["kvllm"] + ["--kv-compression", "kara"]
+    assert pools["vllm"] >= 3 * seq and pools["kvllm"] >= 3 * seq
+    length = lambda f: f[f.index("--max-model-len") + 1]  # noqa: E731
+    assert length(flags["vllm"]) == length(flags["kvllm"]) == str(seq + 32)
+
+
+def _result(tok_s: float, tpot_ms: float = 50.0) -> dict:
+    return {"output_throughput": tok_s, "completed": 4, "failed": 0, "total_input_tokens": 1024,
+            "total_output_tokens": 1024, "duration": 10.0, "median_tpot_ms": tpot_ms, "p99_tpot_ms": tpot_ms,
+            "median_ttft_ms": 100.0, "p99_ttft_ms": 200.0, "median_itl_ms": tpot_ms, "p99_itl_ms": tpot_ms,
+            "_counters": {"num_preemptions": 0.0}, "_server_cpu": {"total": 15.0}}
+
+
+def test_headline_marks_each_cell_against_its_target():
+    rows = [{"config": "defaults", "cell": "cmpl-short-inf-c1", "server": "kvllm", "result": _result(100.0)},
+            {"config": "defaults", "cell": "cmpl-short-inf-c1", "server": "vllm", "result": _result(100.0)},
+            {"config": "defaults", "cell": REPRO, "server": "kvllm", "result": _result(140.0, 35.0)},
+            {"config": "defaults", "cell": REPRO, "server": "vllm", "result": _result(100.0)},
+            {"config": "explicit", "cell": REPRO, "server": "kvllm", "result": _result(150.0)},
+            {"config": "memory", "cell": MEMORY.name, "server": "kvllm", "result": _result(150.0), "pool_tokens": 1},
+            {"config": "memory", "cell": MEMORY.name, "server": "kvllm+kara", "result": _result(210.0),
+             "pool_tokens": 1},
+            {"config": "memory", "cell": MEMORY.name, "server": "vllm", "result": _result(100.0), "pool_tokens": 1}]
+    data = {"rows": rows, "launches": [], "errors": [], "versions": "vllm 0.32.0", "threads": 2, "seconds": 1.0,
+            "floor": {"batch": 32, "slots": 400, "dtype": "bfloat16", "step_s": 0.032, "gemm_s": 0.02, "kv_s": 0.01,
+                      "rates": {"gflops": 300.0, "read_gbs": 20.0}}}
+    head = {(r[0], r[1]): r for r in headline_rows(data)}
+    assert head[("cmpl-short-inf-c1", "defaults")][4:] == ["1.00x", ">= 1x", "meets"]
+    assert head[(REPRO, "defaults")][4:] == ["1.40x", ">= 1.5x", "misses"]
+    assert head[(REPRO, "explicit")][-1] == "not run"
+    assert head[(f"{MEMORY.name} (kvllm+kara)", "memory")][4:] == ["2.10x", ">= 2x", "meets"]
+    assert head[(f"{MEMORY.name} (kvllm)", "memory")][4:] == ["1.50x", "-", "-"]
+    (floor,) = [r for r in floor_rows(data) if "defaults" in r[0]]
+    assert floor[5:] == ["1.07x", "1.17x", "<= 1.2x", "meets"]
+    text = render(data)
+    assert text.index("**Headline**") < text.index("**defaults**") < text.index("**memory**")
