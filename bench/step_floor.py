@@ -102,7 +102,8 @@ def child(spec: dict) -> dict:
     longest = max([slots for _, _, slots in workloads] + [p + o for _, _, p, o in spec.get("offline", OFFLINE)])
     engine = Engine(model="smollm2", dtype=spec.get("dtype", "float32"), device="cpu", max_num_seqs=64,
                     max_num_batched_tokens=2048, max_model_len=max(1024, longest + 2 * spec["steps"] + 32),
-                    kv_cache_memory="2GiB", seed=0, enable_prefix_caching=False)
+                    kv_cache_memory="2GiB", seed=0, enable_prefix_caching=False,
+                    kv_cache_dtype=spec.get("kv_cache_dtype", "auto"))
     cfg = engine.model_config
     out = {"dtype": str(engine.dtype).removeprefix("torch."), "rates": rates(engine.model, spec["threads"],
                                                                              engine.dtype), "rows": []}
@@ -219,7 +220,7 @@ def table(results: dict[int, dict]) -> str:
                          f"{pre:.1f} + {dec:.1f} = {pre + dec:.1f} s | {run['tokens'] / (pre + dec):.1f} | "
                          f"{run['wall'] / (pre + dec):.2f}x |")
     rates_line = "; ".join(
-        f"{t} thread{'s' if t > 1 else ''}: GEMM at 2048 rows packed {res['rates']['packed_gflops']:.0f}, torch (MKL) "
+        f"{t} thread{'' if str(t).split(',')[0] == '1' else 's'}: GEMM at 2048 rows packed {res['rates']['packed_gflops']:.0f}, torch (MKL) "
         f"{res['rates']['mkl_gflops']:.0f} GFLOP/s; read {res['rates']['read_gbs']:.1f} GB/s"
         for t, res in results.items())
     return "\n".join(lines) + f"\n\nRates measured in each run (the floors take the faster GEMM): {rates_line}."
@@ -229,6 +230,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--steps", type=int, default=12, help="timed decode steps per row (and as many profiled)")
+    ap.add_argument("--dtype", default="float32", help="model dtype (float32: the vs_vllm rows' dtype)")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=None,
+                    help="KV page dtypes to compare (e.g. auto int8 fp8_e4m3): one row set each, in its own section")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -236,9 +240,13 @@ def main() -> None:
         print(json.dumps(child(json.loads(args.child))))
         return
     t0 = time.time()
-    results = {int(t): run_child(int(t), args.steps) for t in args.threads.split(",")}
+    kv_dtypes = args.kv_cache_dtype or ["auto"]
+    # rows are labelled by their thread count, and by the KV dtype when several are compared
+    results = {(t if args.kv_cache_dtype is None else f"{t}, KV {kv}"): run_child(
+        int(t), args.steps, dtype=args.dtype, kv_cache_dtype=kv) for t in args.threads.split(",") for kv in kv_dtypes}
     body = table(results) + (
-        "\n\nSmolLM2-135M-Instruct, float32 activations and K/V, greedy; each row: `batch` real-text prompts of "
+        f"\n\nSmolLM2-135M-Instruct, {args.dtype} activations, K/V in the model dtype unless a row names its KV "
+        "dtype (8-bit rows: one byte a value and a float32 scale per token and KV head), greedy; each row: `batch` real-text prompts of "
         "`slots` tokens, prefilled, then the median wall time of the decode steps that follow (every sequence "
         "running), and torch.profiler's operator time per step by term over as many steps again (layer_ops auto: "
         "the fused decoder call, its kernels named inside it). Floors: GEMM = the "
@@ -256,8 +264,12 @@ def main() -> None:
     if not args.no_write:
         from bench.common import RESULTS, write_section
 
-        write_section("Decode step against its floors (the vs_vllm decode batches)",
-                      "python -m bench.step_floor " + " ".join(sys.argv[1:]), body, RESULTS / "offline_throughput.md")
+        title = "Decode step against its floors (the vs_vllm decode batches)"
+        cmd = "python -m bench.step_floor " + " ".join(sys.argv[1:])
+        if args.kv_cache_dtype is not None:  # the KV dtype comparison is a headline of its own
+            write_section("Decode step by KV page dtype (8-bit pages)", cmd, body)
+        else:
+            write_section(title, cmd, body, RESULTS / "offline_throughput.md")
 
 
 if __name__ == "__main__":

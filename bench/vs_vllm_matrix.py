@@ -114,6 +114,10 @@ def run_cell(server, config: str, cell, args, tok, out: Path, data: dict) -> dic
     return row
 
 
+KARA_W64 = {"method": "kara", "window": 64, "buffer": 8, "ratio": 0.25, "chunk_max": 4, "chunk_budget": 8,
+            "compression_period": 56}  # bench/vs_vllm.py's KARA (bench/compression_throughput.py's settings)
+
+
 def memory_flags(args, tok, out: Path) -> tuple[Workload, dict[str, list[str]], dict[str, int]]:
     """The memory cell's workload, each server's pool flags and its pool in tokens: `pool_seqs` sequences of the
     longest chat prompt (as the server templates it) plus the output, in each server's own block size."""
@@ -131,6 +135,8 @@ def memory_flags(args, tok, out: Path) -> tuple[Workload, dict[str, list[str]], 
              "kvllm": max_len + ["--block-size", str(BLOCKS["kvllm"]), "--num-kv-blocks",
                                  str(MEMORY.pool_seqs * per_seq["kvllm"])]}
     flags["kvllm+kara"] = flags["kvllm"] + ["--kv-compression", "kara"]
+    # the throughput benches' tuned Kara (a round every 56 tokens): why it is faster than the default and what it costs
+    flags["kvllm+kara-w64"] = flags["kvllm"] + ["--kv-compression", json.dumps(KARA_W64, separators=(",", ":"))]
     pools = {k: MEMORY.pool_seqs * per_seq[k.split("+")[0]] * BLOCKS[k.split("+")[0]] for k in flags}
     w = Workload(data, n, olen, None, num_warmups=0, test_request=False, endpoint=ENDPOINTS[MEMORY.endpoint])
     return w, flags, pools
@@ -138,7 +144,8 @@ def memory_flags(args, tok, out: Path) -> tuple[Workload, dict[str, list[str]], 
 
 def run_memory(args, tok, out: Path, data: dict) -> None:
     w, flags, pools = memory_flags(args, tok, out)
-    order = ["vllm", "kvllm", "kvllm+kara"] if args.engine_order[0] == "vllm" else ["kvllm", "kvllm+kara", "vllm"]
+    kvllm = ["kvllm", "kvllm+kara", "kvllm+kara-w64"]
+    order = ["vllm", *kvllm] if args.engine_order[0] == "vllm" else [*kvllm, "vllm"]
     for name in [s for s in order if s.split("+")[0] in args.engine_order]:
         server = server_for(name.split("+")[0], MEMORY_CONFIG, args, out / f"server_memory_{name}.log", flags[name])
         res = out / f"memory_{name}.json"

@@ -37,7 +37,7 @@ def headline_rows(data: dict) -> list[list[str]]:
         if key in seen:
             continue
         seen.add(key)
-        variants = ["kvllm", "kvllm+kara"] if r["config"] == MEMORY_CONFIG else ["kvllm"]
+        variants = ["kvllm", "kvllm+kara", "kvllm+kara-w64"] if r["config"] == MEMORY_CONFIG else ["kvllm"]
         for name in variants:
             k, v = res.get((*key, name)), res.get((*key, "vllm"))
             if r["config"] == MEMORY_CONFIG:
@@ -199,7 +199,9 @@ def render(data: dict) -> str:
         parts.append(f"**memory** ({MEMORY.name}: requests of ~{MEMORY.input_len}-token prompts on the chat "
                      f"endpoint, {MEMORY.output_len} new tokens, all sent at once; each server's default KV block, "
                      "vLLM `--num-gpu-blocks-override` (one more block: its null block), kvllm `--num-kv-blocks`; "
-                     "kvllm+kara = `--kv-compression kara` at its default settings):\n\n" + memory_table(data))
+                     "kvllm+kara = `--kv-compression kara` at its default settings; kvllm+kara-w64 = the throughput "
+                     "benches' tuned Kara, |W| 64, |U| 8, r 0.25, α 8, a round every 56 tokens):\n\n"
+                     + memory_table(data))
     parts.append("**Startup** (process start to /health 200; the CPU a started server burns over 5 s with no "
                  "request):\n\n" + _table(["config", "server", "startup s", "CPU cores busy while idle"],
                                           [[x["config"], x["server"], f"{x['startup_s']:.0f}",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections import Counter
 from typing import Sequence as Seq
 
 import torch
@@ -19,8 +20,8 @@ import torch
 from compression.config import Limits
 from compression.stage import CompressionStage
 from compression.stats import RoundStats
-from engine.attention import get_backend
-from engine.config import EngineConfig, parse_dtype
+from engine.attention import cpu_ext, get_backend
+from engine.config import EngineConfig, cpu_has_fast_bf16, parse_dtype
 from engine.distributed.driver import DriverKVCacheManager, TPDriver
 from engine.errors import InvalidRequestError
 from engine.compression_step import CompressionStep
@@ -335,8 +336,25 @@ class EngineCore:
         if self.driver is not None:
             self.driver.shutdown(graceful, destroy)
 
+    def compute_line(self) -> str:
+        """What 'auto' picked on this host, for the startup log: the dtype and why, the linear layers' kernels, the
+        layer ops, the attention backend and its instruction set, the threads."""
+        c = self.config
+        why = ""
+        if c.dtype == "auto" and self.device.type == "cpu":
+            why = " (auto: this CPU has AVX512-BF16/AMX)" if cpu_has_fast_bf16() else " (auto: no fast bf16 here)"
+        linears = Counter(type(m).__name__ for m in self.model.modules()
+                          if hasattr(m, "in_features") and hasattr(m, "out_features"))
+        attn = type(self.attn).__name__
+        if attn == "CpuPagedBackend":
+            attn += f" ({('portable', 'AVX2', 'AVX-512')[cpu_ext.load().isa_level()]} kernel)"
+        return (f"Compute: {str(self.dtype).removeprefix('torch.')}{why}; linear layers: "
+                + ", ".join(f"{n} x{k}" for n, k in linears.most_common())
+                + f"; layer ops: {getattr(self.model.layer_ops, 'name', type(self.model.layer_ops).__name__)}; "
+                f"attention: {attn}; {torch.get_num_threads()} threads")
+
     def capacity_log_lines(self) -> list[str]:
-        lines = [self.kv_cache.capacity_line(self.max_model_len)]
+        lines = [self.compute_line(), self.kv_cache.capacity_line(self.max_model_len)]
         if self.driver is not None:
             lines.extend(self.driver.log_lines())
         lines.extend(self.stage.capacity_lines(self.kv_cache.num_tokens, self.max_model_len))

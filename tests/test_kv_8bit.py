@@ -313,7 +313,8 @@ def test_the_pool_holds_blocks_by_bytes_with_the_scales_counted(make_engine):
     assert eight.stats().num_blocks == 3 * 2**20 // bytes_per_block(L, 4, hkv, d, eight.core.kv_cache.format)
     assert eight.stats().num_blocks == 3 * 2**20 // (4 * L * 2 * hkv * (d + 4))
     assert eight.core.kv_cache.nbytes <= 3 * 2**20
-    line = eight.capacity_log_lines()[0]
+    compute, line = eight.capacity_log_lines()[:2]
+    assert compute.startswith("Compute: float32;") and "attention: CpuPagedBackend" in compute
     assert f"int8: {L * 2 * hkv * (d + 4)} bytes/token" in line and "tokens/GiB" in line
 
 

@@ -63,8 +63,8 @@ def test_half_cache_holds_twice_the_blocks_of_the_same_memory(make_engine):
     half = make_engine(num_kv_blocks=None, kv_cache_memory="3MiB", swap_space=0, lossless_host_memory=0,
                        kv_cache_dtype="float16")
     assert half.stats().num_blocks == 2 * full.stats().num_blocks
-    assert half.core.kv_cache.nbytes <= 3 * 2**20 and "float16" in half.capacity_log_lines()[0]
-    assert full.core.kv_cache.data.dtype == torch.float32 and "float32" in full.capacity_log_lines()[0]
+    assert half.core.kv_cache.nbytes <= 3 * 2**20 and "float16" in half.capacity_log_lines()[1]
+    assert full.core.kv_cache.data.dtype == torch.float32 and "float32" in full.capacity_log_lines()[1]
 
 
 def test_compression_swap_and_lossless_work_on_a_half_cache(make_engine):
