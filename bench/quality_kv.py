@@ -62,7 +62,7 @@ def main() -> None:
             got = evaluate(engine, trials, ["none", "kara"] if k == 0 else ["kara"], [kara["ratio"]], window,
                            batch_seqs=args.batch_seqs)
             if setting != "default":  # named by its window in the table
-                got[-1].method = f"kara |W|={window['window']}"
+                got[-1].method = f"Kara W={window['window']}"
             results += got
         rows.append((engine.kv_cache_format, engine.stats().kv_cache_bytes_per_token, results))
         print(f"[{time.perf_counter() - t0:6.0f} s] {name}: " + ", ".join(
