@@ -290,3 +290,25 @@ def test_engine_on_cuda_end_to_end(tiny_llama_dir):
         eng.check_invariants()
     agree = [sum(x == y for x, y in zip(a, b)) / len(a) for a, b in zip(outs["auto"], outs["torch"])]
     assert outs["auto"][0][:8] == outs["torch"][0][:8] and min(agree) >= 0.5, agree
+
+
+def test_engine_on_cuda_with_fp8_pages(tiny_llama_dir):
+    """fp8 KV pages on the GPU: FlashInfer reads them without row scales (planned with the fp8 kv_data_type), the
+    torch backend with a scale per row; both agree with bfloat16 pages on the first greedy tokens."""
+    from engine import Engine, SamplingParams
+
+    prompts = [list(range(10, 30)), [5, 17, 33, 9, 41, 12, 7]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = {}
+    for kv, backend in (("auto", "auto"), ("fp8_e4m3", "auto"), ("fp8_e4m3", "torch")):
+        eng = Engine(model=str(tiny_llama_dir), device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=64,
+                     attention_backend=backend, kv_cache_dtype=kv)
+        if kv != "auto":
+            data = eng.core.kv_cache.data
+            assert data.dtype == torch.float8_e4m3fn
+            assert data.shape[-1] == eng.core.model_config.head_dim + (4 if backend == "torch" else 0)
+        outs[(kv, backend)] = [o.outputs[0].token_ids for o in eng.generate(prompts, params, use_tqdm=False)]
+        eng.check_invariants()
+    ref = outs[("auto", "auto")]
+    for key in (("fp8_e4m3", "auto"), ("fp8_e4m3", "torch")):
+        assert [t[:6] for t in outs[key]] == [t[:6] for t in ref], key
