@@ -26,11 +26,13 @@ from engine.distributed.driver import DriverKVCacheManager, TPDriver
 from engine.errors import InvalidRequestError
 from engine.compression_step import CompressionStep
 from engine.executor import StepExecutor
-from engine.loader import load_model
+from engine.loader import gguf_file, load_model
 from engine.lossless import LosslessController, LosslessStep
 from engine.model_runner import ModelRunner
+from engine.models import onednn
 from engine.models.backends import GEMM_BACKENDS, pick_layer_ops
 from engine.models.quant import QUANTIZATIONS
+from engine.models.row_split import SPLIT_ROWS, split_rows
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
@@ -42,9 +44,26 @@ from engine.step_types import Failures, SchedulerOutput, StepComponent, tagged
 from engine.structured import StructuredOutputs
 from paging.kv_cache import KVCache
 from paging.kv_cache_manager import KVCacheManager
+from paging.kv_format import kv_format
 
 logger = logging.getLogger("kvllm")
 
+
+
+def row_split_applies(config: EngineConfig, device: torch.device) -> bool:
+    """Whether `dtype='auto'` runs the model as float32 with its GEMMs split by row count
+    (engine/models/row_split.py): a .gguf model, unsharded and unquantized, every kernel choice 'auto', on a CPU with
+    fast bf16 GEMMs (AVX512-BF16/AMX) whose C++ kernels load with AVX2."""
+    if (config.dtype != "auto" or device.type != "cpu" or config.tensor_parallel_size != 1
+            or config.quantization is not None or config.gemm_backend != "auto" or config.layer_ops != "auto"
+            or config.attention_backend not in ("auto", "cpu") or not cpu_has_fast_bf16()):
+        return False
+    if onednn.available() is not None or gguf_file(config.model_source()) is None:
+        return False
+    try:
+        return bool(cpu_ext.load().has_avx2())
+    except cpu_ext.ExtensionUnavailable:
+        return False
 
 
 class EngineCore:
@@ -52,6 +71,9 @@ class EngineCore:
         self.config = config
         self.device = config.resolve_device()
         self.dtype = parse_dtype(config.dtype, self.device)
+        self.row_split = row_split_applies(config, self.device)
+        if self.row_split:  # float32 activations; bf16 GEMMs for many rows, the file's blocks for few
+            self.dtype = torch.float32
         self.driver = None  # tensor parallelism: rank 0's link to the worker ranks (engine/distributed/driver.py)
         try:
             self._build(config)
@@ -79,12 +101,16 @@ class EngineCore:
         if config.quantization is not None:
             QUANTIZATIONS.get(config.quantization)(self.model)
         GEMM_BACKENDS.get(config.gemm_backend)(self.model, config.quantization is not None)
+        if self.row_split:
+            split_rows(self.model)
         self.model.gguf_reader = None  # the GGUF file's mapping (kept by the loader for gemm_backend 'gguf')
         return (config.resolve_num_blocks(self.model_config, self.kv_format, self.device),
                 config.host_blocks(self.model_config, self.kv_format), KVCacheManager)
 
     def _build(self, config: EngineConfig) -> None:
-        self.kv_format = config.resolve_kv_cache_dtype(self.dtype, self.device)
+        # under the row split 'auto' KV pages are bfloat16, as the dtype 'auto' would otherwise have picked
+        self.kv_format = config.resolve_kv_cache_dtype(self.dtype, self.device) if not (
+            self.row_split and config.kv_cache_dtype == "auto") else kv_format("bfloat16", self.dtype)
         num_blocks, host_blocks, kv_manager = self._load(config)
         self.model.set_layer_ops(pick_layer_ops(config.layer_ops, self.model))
         cfg = self.model_config
@@ -341,7 +367,11 @@ class EngineCore:
         layer ops, the attention backend and its instruction set, the threads."""
         c = self.config
         why = ""
-        if c.dtype == "auto" and self.device.type == "cpu":
+        if self.row_split:
+            why = (f" activations (auto: a .gguf model on a CPU with AVX512-BF16/AMX: forwards of <= {SPLIT_ROWS} "
+                   f"tokens on the file's blocks in the fused stack, GEMMs of more rows on bfloat16 oneDNN; KV pages "
+                   f"{self.kv_format.name})")
+        elif c.dtype == "auto" and self.device.type == "cpu":
             why = " (auto: this CPU has AVX512-BF16/AMX)" if cpu_has_fast_bf16() else " (auto: no fast bf16 here)"
         linears = Counter(type(m).__name__ for m in self.model.modules()
                           if hasattr(m, "in_features") and hasattr(m, "out_features"))

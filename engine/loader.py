@@ -127,6 +127,21 @@ def check_tensor_parallel(model: str | ModelSource, tp_size: int) -> ModelConfig
     return config
 
 
+def gguf_file(model: str | ModelSource) -> Path | None:
+    """The .gguf file `model` loads from ('smollm2', a local .gguf file or a directory holding one), else None (a Hub
+    id is not fetched here)."""
+    name = model.model if isinstance(model, ModelSource) else model
+    if name == "smollm2":
+        return smollm2_gguf_path()
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not _hf_dir(path):
+        found = sorted(path.glob("*.gguf"))
+        return found[0] if len(found) == 1 else None
+    return None
+
+
 def load_model_for_tp(model: str | ModelSource, dtype: torch.dtype, device, tp: TPGroup):
     """Rank 0 under tensor parallelism: `load_model` plus the ShardSource the other ranks load their shards from."""
     device = torch.device(device)
@@ -135,12 +150,7 @@ def load_model_for_tp(model: str | ModelSource, dtype: torch.dtype, device, tp: 
     if src.model != "smollm2" and _hf_dir(path):
         m, config, tok = _load_hf_dir(path, dtype, device, tp, src=src)
         return m, config, tok, ShardSource(config, [str(f) for f in _safetensors_files(path)])
-    gguf = smollm2_gguf_path() if src.model == "smollm2" else None
-    if gguf is None and path.is_file() and path.suffix == ".gguf":
-        gguf = path
-    if gguf is None and path.is_dir():
-        found = sorted(path.glob("*.gguf"))
-        gguf = found[0] if len(found) == 1 else None
+    gguf = gguf_file(src)
     if gguf is None:
         load_model(model, dtype, device, tp)  # raises the loader's own error for anything else
         raise ValueError(f"model={src.model!r}: cannot be loaded under tensor parallelism")

@@ -83,14 +83,17 @@ class FusedLayerOps(CpuLayerOps):
         self._weights = [w.detach() for w in weights]
         if len({lin.max_isa for lin in self._linears}) > 1:
             raise ValueError("layer_ops='fused' cannot run: the linear layers' max_isa differ")
+        self.max_rows: int | None = getattr(model, "fused_max_rows", None)
         attn = model.layers[0].self_attn
         self._shape = (attn.num_q_heads, attn.num_kv_heads, attn.head_dim, model.layers[0].mlp.down_proj.in_features,
                        attn.scale, model.norm.eps)
 
-    def usable(self, attn, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
-        """Whether this forward can take the fused call (the backend and cache the kernels take, no capture)."""
+    def usable(self, attn, kv_caches: list[torch.Tensor], meta: AttentionMetadata, rows: int = 0) -> bool:
+        """Whether this forward of `rows` tokens can take the fused call (the backend and cache the kernels take, no
+        capture, no more rows than the model's row split keeps here: engine/models/row_split.py)."""
         cache = kv_caches[0]
-        return (meta.capture is None and type(attn) is CpuPagedBackend and cache.dtype in CACHE_DTYPES
+        return (meta.capture is None and (self.max_rows is None or rows <= self.max_rows)
+                and type(attn) is CpuPagedBackend and cache.dtype in CACHE_DTYPES
                 and cache.device.type == "cpu" and cache.is_contiguous())
 
     def forward_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],

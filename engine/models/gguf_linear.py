@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from engine.attention import cpu_ext
-from engine.models.packed import PANEL, PackedLinear, can_pack, rows_through, swap_linears
+from engine.models.packed import PANEL, PackedLinear, can_pack, rows_through, split_forward, swap_linears
 
 logger = logging.getLogger("kvllm")
 
@@ -139,6 +139,8 @@ class BlockLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
                                                                   requires_grad=False)
         self.max_isa = 2  # the best kernel the CPU has; 1 keeps the AVX2 path (tests)
+        self.many_rows: nn.Module | None = None  # a bf16 copy for calls of many rows (engine/models/row_split.py)
+        self.many_rows_above = 0
 
     @property
     def weight(self) -> torch.Tensor:
@@ -148,6 +150,9 @@ class BlockLinear(nn.Module):
         return dequantize(unpack(self.q_packed), unpack(self.d), unpack(self.m))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return split_forward(self, x, self.forward_float32)
+
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         return rows_through(x, self.in_features, self.out_features, lambda x2, out: self._ops.block_linear(
             x2, self.q_packed, self.d, self.m, self.bias, out, self.max_isa))
 

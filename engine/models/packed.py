@@ -53,6 +53,17 @@ def rows_through(x: torch.Tensor, in_features: int, out_features: int,
     return out.view(*shape[:-1], out_features)
 
 
+def split_forward(layer: nn.Module, x: torch.Tensor, float32_forward: Callable) -> torch.Tensor:
+    """A float32 layer's forward under a row split (engine/models/row_split.py): more than `many_rows_above` rows on
+    its bfloat16 copy, the others on `float32_forward`; the output in x's dtype. Without a split: float32_forward."""
+    if layer.many_rows is None:
+        return float32_forward(x)
+    if x.numel() > layer.many_rows_above * layer.in_features:
+        return layer.many_rows(x).to(x.dtype)
+    out = float32_forward(x)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
 class PackedLinear(nn.Module):
     """Drop-in for a float32 nn.Linear (y = x W^T + b) on the CPU, weight in 16-channel panels."""
 
@@ -64,6 +75,8 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
                                                                   requires_grad=False)
         self.max_isa = 2  # the best kernel the CPU has; 1 keeps the AVX2 tile (tests, benchmarks)
+        self.many_rows: nn.Module | None = None  # a bf16 copy for calls of many rows (engine/models/row_split.py)
+        self.many_rows_above = 0
 
     @property
     def weight(self) -> torch.Tensor:
@@ -72,6 +85,9 @@ class PackedLinear(nn.Module):
         return self.w_packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return split_forward(self, x, self.forward_float32)
+
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         return rows_through(x, self.in_features, self.out_features,
                             lambda x2, out: self._ops.packed_linear(x2, self.w_packed, self.bias, out, self.max_isa))
 
