@@ -57,6 +57,8 @@ def rates(model, threads: int, dtype=None) -> dict:
     torch.set_num_threads(threads)
     dtype = dtype or torch.float32
     lin = next(m for name, m in model.named_modules() if name.endswith("gate_up_proj"))
+    if getattr(lin, "many_rows", None) is not None:  # a row split (engine/models/row_split.py): 2048 rows run there
+        lin, dtype = lin.many_rows, torch.bfloat16
     out_f, in_f = lin.out_features, lin.in_features
     if dtype == torch.float32 and not isinstance(lin, PackedLinear):  # e.g. GGUF blocks: the same weights as
         dense = torch.nn.Linear(in_f, out_f, bias=False)              # float32 panels
@@ -74,14 +76,18 @@ def rates(model, threads: int, dtype=None) -> dict:
             "gflops": flops / min(gemm_s, mkl_s) / 1e9, "read_gbs": big.numel() * 4 / read_s / 1e9}
 
 
-def linear_numel(model, weight_bytes: int = 4) -> tuple[int, int]:
-    """(weights of every linear layer incl. the LM head, bytes of those weights) as the step reads them: a GGUF
-    block layer (gemm_backend 'gguf') its int8 q and float32 d, m; any other its weights of `weight_bytes` each."""
+def linear_numel(model, weight_bytes: int = 4, rows: int = 1) -> tuple[int, int]:
+    """(weights of every linear layer incl. the LM head, bytes of those weights) as a step of `rows` rows reads them:
+    a GGUF block layer (gemm_backend 'gguf') its int8 q and float32 d, m; a layer whose calls of that many rows go to
+    its bfloat16 copy (a row split) 2 bytes a weight; any other its weights of `weight_bytes` each."""
+    copies = {id(m.many_rows) for m in model.modules() if getattr(m, "many_rows", None) is not None}
     total, nbytes = 0, 0
     for m in model.modules():
-        if hasattr(m, "in_features") and hasattr(m, "out_features"):
+        if id(m) not in copies and hasattr(m, "in_features") and hasattr(m, "out_features"):
             total += m.in_features * m.out_features
-            if hasattr(m, "q_packed"):
+            if getattr(m, "many_rows", None) is not None and rows > m.many_rows_above:
+                nbytes += m.in_features * m.out_features * 2
+            elif hasattr(m, "q_packed"):
                 nbytes += sum(t.numel() * t.element_size() for t in (m.q_packed, m.d, m.m))
             else:
                 nbytes += m.in_features * m.out_features * weight_bytes
@@ -105,10 +111,12 @@ def child(spec: dict) -> dict:
                     kv_cache_memory="2GiB", seed=0, enable_prefix_caching=False,
                     kv_cache_dtype=spec.get("kv_cache_dtype", "auto"))
     cfg = engine.model_config
-    out = {"dtype": str(engine.dtype).removeprefix("torch."), "rates": rates(engine.model, spec["threads"],
+    split = getattr(engine.core, "row_split", False)  # dtype auto on a .gguf model: engine/models/row_split.py
+    out = {"dtype": "auto (row split)" if split else str(engine.dtype).removeprefix("torch."), "rates": rates(engine.model, spec["threads"],
                                                                              engine.dtype), "rows": []}
     torch.set_num_threads(spec["threads"])
-    weights, weight_bytes = linear_numel(engine.model, torch.empty((), dtype=engine.dtype).element_size())
+    elem = torch.empty((), dtype=engine.dtype).element_size()
+    weights, weight_bytes = linear_numel(engine.model, elem)
     kv_bytes_per_slot = cfg.num_layers * 2 * cfg.num_kv_heads * engine.core.kv_cache.format.row_bytes(cfg.head_dim)
     for name, batch, slots in workloads:
         params = SamplingParams(temperature=0, max_tokens=spec["steps"] * 2 + 16, ignore_eos=True)
@@ -140,7 +148,8 @@ def child(spec: dict) -> dict:
         engine.check_invariants()
         out["rows"].append({"workload": name, "batch": batch, "slots": slots, "step": median(walls), "ops": ops,
                             "host": profiled - sum(ops.values()),
-                            "flops": 2 * batch * weights, "weight_bytes": weight_bytes,
+                            "flops": 2 * batch * weights,
+                            "weight_bytes": linear_numel(engine.model, elem, rows=batch)[1],
                             "kv_bytes": batch * slots * kv_bytes_per_slot, "draw": draw})
     head = cfg.vocab_size * cfg.hidden_size
     out["model"] = {"weights": weights, "head": head, "weight_bytes": weight_bytes, "kv_per_slot": kv_bytes_per_slot,

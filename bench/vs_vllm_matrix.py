@@ -188,6 +188,16 @@ def run_floor(args, data: dict) -> None:
           f"{1e3 * (gemm + kv):.1f} ms", flush=True)
 
 
+def refloor(args, out: Path) -> dict:
+    """The floor of a finished run in `out` measured again (its matrix.json kept, its section rewritten with both
+    command lines): for a run whose floor was taken with a step_floor that measured another path."""
+    data = json.loads((out / "matrix.json").read_text())
+    data.pop("floor", None)
+    run_floor(args, data)
+    (out / "matrix.json").write_text(json.dumps(data, indent=1))
+    return data
+
+
 def client_commands(rows: list[dict], folder: Path) -> dict[str, str]:
     """One vLLM client command per kind of run (the cells differ only in dataset, rate, concurrency and sizes),
     the run's folder written <out>."""
@@ -205,7 +215,8 @@ def run(args, tok, out: Path, versions: str) -> dict:
     t0 = time.perf_counter()
     chosen = select(plan(), args.cells)
     data = {"versions": versions, "quick": args.quick, "threads": THREADS, "rows": [], "launches": [],
-            "errors": [], "cells": [f"{c}/{n}" for c, n in chosen]}
+            "errors": [], "cells": [f"{c}/{n}" for c, n in chosen],
+            "command": "python -m bench.vs_vllm " + " ".join(sys.argv[1:])}
     print(f"matrix: {len(chosen)} cells x servers {', '.join(args.engine_order)}", flush=True)
     for config in CONFIGS:
         names = [n for c, n in chosen if c == config]
@@ -222,6 +233,6 @@ def run(args, tok, out: Path, versions: str) -> dict:
     print(body)
     (out / "matrix_section.md").write_text(body)
     if not (args.quick or args.no_write):
-        write_section(SECTION, "python -m bench.vs_vllm " + " ".join(sys.argv[1:]), body)
+        write_section(SECTION, data["command"], body)
     return data
 
