@@ -112,8 +112,8 @@ def child(spec: dict) -> dict:
                     kv_cache_dtype=spec.get("kv_cache_dtype", "auto"))
     cfg = engine.model_config
     split = getattr(engine.core, "row_split", False)  # dtype auto on a .gguf model: engine/models/row_split.py
-    out = {"dtype": "auto (row split)" if split else str(engine.dtype).removeprefix("torch."), "rates": rates(engine.model, spec["threads"],
-                                                                             engine.dtype), "rows": []}
+    out = {"dtype": "auto (row split)" if split else str(engine.dtype).removeprefix("torch."),
+           "rates": rates(engine.model, spec["threads"], engine.dtype), "rows": []}
     torch.set_num_threads(spec["threads"])
     elem = torch.empty((), dtype=engine.dtype).element_size()
     weights, weight_bytes = linear_numel(engine.model, elem)

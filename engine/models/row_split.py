@@ -20,14 +20,15 @@ from engine.models.llama import RMSNorm
 from engine.models.onednn import OneDnnLinear
 from engine.models.packed import PackedLinear
 
-# The most tokens a forward keeps on the blocks and the fused stack (serving A/B in docs/benchmarks.md, "Row split").
+# The most tokens a forward keeps on the blocks and the fused stack (docs/benchmarks.md,
+# "GEMMs split by row count").
 SPLIT_ROWS = 16
 MANY_ROWS_DTYPE = torch.bfloat16
 
 
 def split_rows(model: nn.Module, rows: int = SPLIT_ROWS) -> int:
     """In place, for a float32 DecoderLM whose linears are BlockLinear / PackedLinear (the LM head included): each
-    linear runs calls of more than `rows` rows (and every bfloat16 call) on a bfloat16 oneDNN copy of its weight,
+    linear runs calls of more than `rows` rows on a bfloat16 oneDNN copy of its weight (packed.split_forward),
     each RMSNorm gets a bfloat16 copy of its weight, the fused stack takes forwards of at most `rows` tokens
     (`model.fused_max_rows`) and larger forwards run their layer loop in bfloat16 (`model.many_rows_dtype`).
     Returns how many linear layers got a copy."""
