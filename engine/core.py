@@ -368,8 +368,8 @@ class EngineCore:
         c = self.config
         why = ""
         if self.row_split:
-            why = (f" activations (auto: a .gguf model on a CPU with AVX512-BF16/AMX: forwards of <= {SPLIT_ROWS} "
-                   f"tokens on the file's blocks in the fused stack, GEMMs of more rows on bfloat16 oneDNN; KV pages "
+            why = (f" activations (auto: a .gguf model on a CPU with AVX512-BF16/AMX: GEMMs of <= {SPLIT_ROWS} "
+                   f"rows on the file's blocks, of more rows on bfloat16 oneDNN copies; KV pages "
                    f"{self.kv_format.name})")
         elif c.dtype == "auto" and self.device.type == "cpu":
             why = " (auto: this CPU has AVX512-BF16/AMX)" if cpu_has_fast_bf16() else " (auto: no fast bf16 here)"

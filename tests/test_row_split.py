@@ -1,7 +1,8 @@
 """The row split (engine/models/row_split.py): a float32 model whose forwards of at most `rows` tokens run the fused
-stack on float32 kernels and whose larger forwards run the layer loop in bfloat16 on oneDNN copies of the weights.
-Each side is compared bit for bit with the model it stands in for (the unsplit float32 model; a bfloat16 twin with
-oneDNN linears), the linear dispatch at the boundary row count, and when `dtype='auto'` picks it."""
+stack on the float32 kernels and whose larger forwards take bfloat16 oneDNN copies of the linears' weights (in the
+same fused stack, or layer by layer). Each side is compared bit for bit with what it stands in for (the unsplit
+float32 model; the per-layer path of the split model), the linear dispatch at the boundary row count, and when
+`dtype='auto'` picks it."""
 from __future__ import annotations
 
 import pytest
@@ -45,7 +46,7 @@ def test_linear_dispatch_at_the_boundary(make):
     lin = make()
     holder = nn.Module()
     holder.lin = lin
-    assert split_rows(holder, rows=ROWS) == 1 and holder.fused_max_rows == ROWS
+    assert split_rows(holder, rows=ROWS) == 1 and holder.many_rows_above == ROWS
     twin = OneDnnLinear(nn.Linear(64, 48, bias=lin.bias is not None).to(torch.bfloat16))
     with torch.no_grad():  # the bf16 copy holds the layer's own weight, rounded once
         assert torch.equal(lin.many_rows.weight, lin.weight.bfloat16())
@@ -72,7 +73,7 @@ def test_linear_dispatch_at_the_boundary(make):
     assert not torch.equal(lin(x), lin.many_rows(x).float())
 
 
-# two sequences; SMALL: steps of <= ROWS tokens (the fused stack), LARGE: steps of more (the bfloat16 loop)
+# two sequences; SMALL: steps of <= ROWS tokens (float32 kernels), LARGE: steps of more (the bfloat16 copies)
 TABLES = [[5, 17, 2, 11], [3, 19, 14, 0]]
 SMALL = [(TABLES, [2, 2], [2, 2], [0, 1, 40, 41]), (TABLES, [1, 1], [3, 3], [2, 42])]
 LARGE = [(TABLES, [5, 6], [5, 6], list(range(5)) + list(range(40, 46))),
@@ -106,16 +107,10 @@ def test_each_side_equals_the_model_it_stands_in_for(monkeypatch):
     split = packed()
     split_rows(split, rows=ROWS)
     split.set_layer_ops(FusedLayerOps(split))
-    # the bf16 twin: the same weights rounded to bf16, oneDNN linears, the per-layer C++ ops
-    twin = packed()
-    for lin_name, lin in [(n, m) for n, m in twin.named_modules() if isinstance(m, PackedLinear)]:
-        parent = twin.get_submodule(lin_name.rpartition(".")[0]) if "." in lin_name else twin
-        dense = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None)
-        with torch.no_grad():
-            dense.weight.copy_(lin.weight)
-        setattr(parent, lin_name.rpartition(".")[2], OneDnnLinear(dense.bfloat16()))
-    twin.to(torch.bfloat16)
-    twin.set_layer_ops(CpuLayerOps())
+    # the per-layer path of the same split model: each linear picks its side in Python (packed.split_forward)
+    loop = packed()
+    split_rows(loop, rows=ROWS)
+    loop.set_layer_ops(CpuLayerOps())
     calls = []
     real = FusedLayerOps.forward_layers
     monkeypatch.setattr(FusedLayerOps, "forward_layers", lambda self, *a: calls.append(1) or real(self, *a))
@@ -128,14 +123,17 @@ def test_each_side_equals_the_model_it_stands_in_for(monkeypatch):
 
     calls.clear()
     large, large_pages = _run(split, LARGE, torch.bfloat16)
-    assert not calls and all(h.dtype == torch.bfloat16 for h in large)
-    want, want_pages = _run(twin, LARGE, torch.bfloat16)
+    assert len(calls) == len(LARGE) and all(h.dtype == torch.float32 for h in large)
+    want, want_pages = _run(loop, LARGE, torch.bfloat16)
+    assert len(calls) == len(LARGE)  # the loop model never took the fused call
     assert all(torch.equal(a, b) for a, b in zip(large, want))
     assert torch.equal(large_pages.nan_to_num(), want_pages.nan_to_num())
-    # and the float32 model's own answer within bf16 rounding (a wrong weight or layer order would be far off)
+    # the float32 model's own answer within bf16 rounding (a wrong weight or layer order would be far off), and not
+    # equal to it (a large forward that kept the float32 kernels would be)
     ref, _ = _run(base, LARGE, torch.bfloat16)
     for a, b in zip(large, ref):
-        assert (a.float() - b).abs().max() <= 0.05 * b.abs().max()
+        assert (a - b).abs().max() <= 0.05 * b.abs().max()
+        assert not torch.equal(a, b)
 
 
 def test_which_configurations_split(monkeypatch):
@@ -155,7 +153,7 @@ def test_which_configurations_split(monkeypatch):
 
 def test_smollm2_at_auto_splits_and_serves():
     """The default engine on a CPU with fast bf16: float32 compute, bfloat16 pages, the startup line says so; a
-    greedy batch of a short and a long prompt runs both sides (a prefill of > 16 tokens, decodes of 2) and its first
+    greedy batch of a short and a long prompt runs both sides (a prefill of > 8 tokens, decodes of 2) and its first
     tokens equal the float32 model's (the few-row side is that model's kernels)."""
     from engine import Engine, SamplingParams
     from engine.config import cpu_has_fast_bf16
@@ -166,8 +164,8 @@ def test_smollm2_at_auto_splits_and_serves():
     try:
         core = eng.core
         assert core.row_split and core.dtype == torch.float32 and core.kv_format.name == "bfloat16"
-        assert "forwards of <= 16 tokens" in core.compute_line()
-        assert core.model.layer_ops.name == "fused" and core.model.fused_max_rows == 16
+        assert "GEMMs of <= 8 rows" in core.compute_line()
+        assert core.model.layer_ops.name == "fused" and core.model.many_rows_above == 8
         text = open("/usr/share/common-licenses/GPL-3").read()[:600]
         outs = eng.generate(["The capital of France is", text],
                             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

@@ -1,7 +1,8 @@
 """layer_ops 'fused': a float32 decoder stack on the CPU in one C++ call per forward (csrc/decoder_layers.cpp).
 
 The call runs, layer by layer, the kernels the per-layer path (engine/models/llama.py with CpuLayerOps) calls one
-by one: RMSNorm with the residual add, the qkv / o / gate-up / down linears (GGUF blocks or float32 panels), RoPE,
+by one: RMSNorm with the residual add, the qkv / o / gate-up / down linears (GGUF blocks or float32 panels; under a
+row split, engine/models/row_split.py, their bfloat16 oneDNN copies for forwards of many tokens), RoPE,
 the K/V writes and paged attention, SiLU-multiply. Same kernels, same order, same inputs: the hidden states are bit
 for bit the per-layer path's. What it removes is the Python between them (module calls, argument checks, an output
 allocation per op), which at a small model's decode step is several milliseconds.
@@ -56,6 +57,27 @@ def _linears(layer) -> list[tuple[str, torch.nn.Module]]:
             ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]
 
 
+def _stack_weights(model: DecoderLM, many: bool) -> list[torch.Tensor]:
+    """The tensors csrc/decoder_layers.cpp takes, 18 a layer and the final norm's weight; with `many`, each linear's
+    bf16 oneDNN copy in place of its own weight."""
+    empty = torch.empty(0)
+    weights = []
+    for layer in model.layers:
+        weights.append(layer.input_layernorm.weight)
+        for name, lin in _linears(layer):
+            if many:
+                lin = lin.many_rows
+            bias = empty if lin.bias is None else lin.bias
+            if isinstance(lin, BlockLinear):
+                weights += [lin.q_packed, lin.d, lin.m, bias]
+            else:  # PackedLinear's float32 panels or OneDnnLinear's mkldnn weight
+                weights += [lin.w_packed, empty, empty, bias]
+            if name == "o_proj":
+                weights.append(layer.post_attention_layernorm.weight)
+    weights.append(model.norm.weight)
+    return [w.detach() for w in weights]
+
+
 class FusedLayerOps(CpuLayerOps):
     """CpuLayerOps plus `forward_layers`, the whole stack in one call, for one model (built for it). Raises
     ValueError (naming layer_ops) where the model does not qualify, cpu_ext.ExtensionUnavailable where the library
@@ -68,39 +90,29 @@ class FusedLayerOps(CpuLayerOps):
         if why is not None:
             raise ValueError(f"layer_ops='fused' cannot run: {why}")
         super().__init__(max_isa)
-        empty = torch.empty(0)
-        weights, self._linears = [], []
-        for layer in model.layers:
-            weights.append(layer.input_layernorm.weight)
-            for name, lin in _linears(layer):
-                bias = empty if lin.bias is None else lin.bias
-                parts = [lin.q_packed, lin.d, lin.m] if isinstance(lin, BlockLinear) else [lin.w_packed, empty, empty]
-                weights += [*parts, bias]
-                self._linears.append(lin)
-                if name == "o_proj":
-                    weights.append(layer.post_attention_layernorm.weight)
-        weights.append(model.norm.weight)
-        self._weights = [w.detach() for w in weights]
+        self._linears = [lin for layer in model.layers for _, lin in _linears(layer)]
         if len({lin.max_isa for lin in self._linears}) > 1:
             raise ValueError("layer_ops='fused' cannot run: the linear layers' max_isa differ")
-        self.max_rows: int | None = getattr(model, "fused_max_rows", None)
+        self._weights = _stack_weights(model, many=False)
+        # under a row split (engine/models/row_split.py) forwards of more rows take the linears' bf16 copies
+        self.many_rows_above: int | None = getattr(model, "many_rows_above", None)
+        self._weights_many = None if self.many_rows_above is None else _stack_weights(model, many=True)
         attn = model.layers[0].self_attn
         self._shape = (attn.num_q_heads, attn.num_kv_heads, attn.head_dim, model.layers[0].mlp.down_proj.in_features,
                        attn.scale, model.norm.eps)
 
-    def usable(self, attn, kv_caches: list[torch.Tensor], meta: AttentionMetadata, rows: int = 0) -> bool:
-        """Whether this forward of `rows` tokens can take the fused call (the backend and cache the kernels take, no
-        capture, no more rows than the model's row split keeps here: engine/models/row_split.py)."""
+    def usable(self, attn, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
+        """Whether this forward can take the fused call (the backend and cache the kernels take, no capture)."""
         cache = kv_caches[0]
-        return (meta.capture is None and (self.max_rows is None or rows <= self.max_rows)
-                and type(attn) is CpuPagedBackend and cache.dtype in CACHE_DTYPES
+        return (meta.capture is None and type(attn) is CpuPagedBackend and cache.dtype in CACHE_DTYPES
                 and cache.device.type == "cpu" and cache.is_contiguous())
 
     def forward_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
                        attn, meta: AttentionMetadata) -> torch.Tensor:
         """Embedded tokens [T, hidden] -> the final-normed hidden states, as DecoderLM.forward's layer loop."""
         hq, hkv, d, inter, scale, eps = self._shape
-        return self._ops.decoder_layers(h.contiguous(), self._weights, kv_caches, cos.contiguous(), sin.contiguous(),
+        many = self._weights_many is not None and h.shape[0] > self.many_rows_above
+        return self._ops.decoder_layers(h.contiguous(), self._weights_many if many else self._weights, kv_caches, cos.contiguous(), sin.contiguous(),
                                         meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
                                         meta.slot_mapping, hq, hkv, d, inter, float(scale), float(eps),
                                         self._linears[0].max_isa, self.max_isa, attn.max_isa, attn.force_portable)

@@ -34,13 +34,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.weight_as: torch.Tensor | None = None  # the weight in a row split's other dtype (row_split.py)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """RMSNorm(x); with `residual`: (RMSNorm(x + residual), x + residual), the sum possibly in residual's
         storage (the C++ ops add in place)."""
-        w = self.weight if self.weight_as is None or x.dtype != self.weight_as.dtype else self.weight_as
-        return self.ops.rms_norm(x, w, self.eps, residual)
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -181,7 +179,6 @@ class DecoderLM(nn.Module):
         # model one in place of the dense head; None: the dense head, vocabulary-parallel under TP.
         self.lm_head_layer: nn.Module | None = None
         self.rotary = Rotary(config)
-        self.many_rows_dtype: torch.dtype | None = None  # the layer loop's dtype under a row split (row_split.py)
         # heads of this rank: what the attention backend plans with and the KV cache stores
         self.num_local_q_heads, self.num_local_kv_heads = head_partition(config.num_q_heads, config.num_kv_heads,
                                                                          tp.size)
@@ -194,10 +191,8 @@ class DecoderLM(nn.Module):
         h, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
         ops = self.layer_ops
-        if ops.name == "fused" and ops.usable(attn, kv_caches, meta, input_ids.shape[0]):  # the loop in one call
+        if ops.name == "fused" and ops.usable(attn, kv_caches, meta):  # the loop in one call
             return ops.forward_layers(h, cos, sin, kv_caches, attn, meta)
-        if self.many_rows_dtype is not None and meta.capture is None:  # engine/models/row_split.py
-            h = h.to(self.many_rows_dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, residual = layer(h, residual, cos, sin, kv_cache, attn, meta)
         return self.norm(h, residual)[0]
