@@ -241,6 +241,8 @@ struct Portable {
   static void scale_row(float* o, int64_t d, float c) {
     for (int64_t i = 0; i < d; ++i) o[i] *= c;
   }
+  // the item's output rows [rows, d] into natural order (kernels that accumulate in another order override it)
+  static void finish(float*, int64_t, int64_t) {}
   // o[r] += sum_{j < nv[r]} p[r][j] v[j]
   static void accumulate(const Rows<float>& R) {
     for (int64_t r = 0; r < R.n; ++r) {
@@ -338,6 +340,7 @@ inline int64_t block_jmax(const Rows<E>& R, int64_t r0, int64_t mb) {
 struct Avx2 {
   template <typename T>
   using Elem = T;  // reads the cache's own type (load8 widens in registers)
+  static void finish(float*, int64_t, int64_t) {}
   // Rows go in blocks of 3 (a GQA group of 3, or 3 rows of a prefill tile): each K/V vector loaded from L1
   // feeds 3 FMAs. Within a block, rows with a shorter causal prefix compute (and later zero) a few extra scores.
   template <typename E>
@@ -623,6 +626,145 @@ struct Avx512 : Avx2 {
 };
 
 #pragma GCC pop_options
+
+// ---- AVX512-BF16 kernels on a bfloat16 cache (D % 32 == 0) ----------------------------------------------
+// vdpbf16ps multiplies 32 bf16 pairs into 16 float32 lanes, so the K and V rows are used as the page stores them,
+// with no widening: the scores take q rounded to bf16 (16 keys at a time, Avx512's transpose-and-add tree), the
+// value sums take the probabilities rounded to bf16, two keys a step (their V rows interleaved by 16-bit unpacks,
+// which leaves the output in a permuted column order that `finish` undoes). The products are exact and summed in
+// float32; the rounding of q and p to bf16 (relative 2^-9) is what GPU attention kernels do with bf16 inputs. About
+// half the vector instructions of the float path per (slot, KV head) at head_dim 64 (docs/results/cpu_kernels.md,
+// "Attention with AVX512-BF16 dot products").
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c")
+
+using Bf16 = c10::BFloat16;
+
+KVLLM_INLINE __m512bh load_bh(const Bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// 32 floats -> 32 bf16 (round to nearest even), in order
+KVLLM_INLINE __m512bh to_bh(const float* p) { return _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p)); }
+
+// MB rows x 4 keys over DV 32-value vectors (q: MB * DV vectors): per row, tree4 of its 4 accumulators
+template <int MB, int DV>
+KVLLM_INLINE void quad_bh(const __m512bh* q, const Bf16* const* k, __m512* c) {
+  __m512 acc[MB][4];
+  for (int r = 0; r < MB; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int v = 0; v < DV; ++v) {
+    __m512bh kv[4];
+    for (int j = 0; j < 4; ++j) kv[j] = load_bh(k[j] + 32 * v);
+    for (int r = 0; r < MB; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], q[r * DV + v], kv[j]);
+  }
+  for (int r = 0; r < MB; ++r) c[r] = tree4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
+template <int MB, int DV>
+inline void score_rows_bh(const Rows<Bf16>& R, int64_t r0, int64_t jmax) {
+  __m512bh q[MB * DV];
+  for (int r = 0; r < MB; ++r)
+    for (int v = 0; v < DV; ++v) q[r * DV + v] = to_bh(R.q + (r0 + r) * R.d + 32 * v);
+  for (int64_t j0 = 0; j0 < jmax; j0 += 16) {
+    __m512 c0[MB], c1[MB], half[MB];
+    quad_bh<MB, DV>(q, R.kp + j0, c0);
+    quad_bh<MB, DV>(q, R.kp + j0 + 4, c1);
+    for (int r = 0; r < MB; ++r) half[r] = fold_lanes(c0[r], c1[r]);
+    quad_bh<MB, DV>(q, R.kp + j0 + 8, c0);
+    quad_bh<MB, DV>(q, R.kp + j0 + 12, c1);
+    for (int r = 0; r < MB; ++r)
+      _mm512_storeu_ps(R.s + (r0 + r) * kChunk + j0, fold_lanes(half[r], fold_lanes(c0[r], c1[r])));
+  }
+}
+
+template <int DV>
+inline void scores_bh(const Rows<Bf16>& R) {
+  int64_t r = 0;
+  for (; r + 3 <= R.n; r += 3) {
+    const int64_t jm = block_jmax(R, r, 3);
+    if (jm) score_rows_bh<3, DV>(R, r, jm);
+  }
+  for (; r < R.n; ++r)
+    if (R.nv[r]) score_rows_bh<1, DV>(R, r, R.nv[r]);
+}
+
+// o[r] (rows r0..r0+MB; columns [c, c + 32 * DH) in the permuted order) += sum_{j < jmax} p[r][j] v[j], two keys
+// per vdpbf16ps. pb[r]: row r's probabilities as bf16 pairs (key 2m low, 2m + 1 high), zero from jmax on.
+template <int MB, int DH>
+inline void pv_bh(const Rows<Bf16>& R, int64_t r0, int64_t jmax, int64_t c, const uint32_t (*pb)[kChunk / 2]) {
+  __m512 acc[MB][2 * DH];
+  for (int r = 0; r < MB; ++r)
+    for (int x = 0; x < 2 * DH; ++x) acc[r][x] = _mm512_loadu_ps(R.o + (r0 + r) * R.d + c + 16 * x);
+  for (int64_t j = 0; j < jmax; j += 2) {  // key jmax (when jmax is odd) is a valid row with probability 0
+    __m512bh lo[DH], hi[DH];
+    for (int h = 0; h < DH; ++h) {
+      const __m512i a = _mm512_loadu_si512(R.vp[j] + c + 32 * h), b = _mm512_loadu_si512(R.vp[j + 1] + c + 32 * h);
+      lo[h] = (__m512bh)_mm512_unpacklo_epi16(a, b);  // per 128-bit lane: columns 0-3 of its 8, keys j, j + 1
+      hi[h] = (__m512bh)_mm512_unpackhi_epi16(a, b);  // columns 4-7
+    }
+    for (int r = 0; r < MB; ++r) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pb[r][j / 2]));
+      for (int h = 0; h < DH; ++h) {
+        acc[r][2 * h] = _mm512_dpbf16_ps(acc[r][2 * h], w, lo[h]);
+        acc[r][2 * h + 1] = _mm512_dpbf16_ps(acc[r][2 * h + 1], w, hi[h]);
+      }
+    }
+  }
+  for (int r = 0; r < MB; ++r)
+    for (int x = 0; x < 2 * DH; ++x) _mm512_storeu_ps(R.o + (r0 + r) * R.d + c + 16 * x, acc[r][x]);
+}
+
+template <int MB>
+inline void pv_rows_bh(const Rows<Bf16>& R, int64_t r0, int64_t jmax) {
+  alignas(64) uint32_t pb[MB][kChunk / 2];
+  for (int r = 0; r < MB; ++r) {
+    const float* s = R.s + (r0 + r) * kChunk;
+    const __m512 a = _mm512_maskz_loadu_ps(tail_mask(std::min<int64_t>(16, jmax)), s);
+    const __m512 b = _mm512_maskz_loadu_ps(tail_mask(std::clamp<int64_t>(jmax - 16, 0, 16)), s + 16);
+    _mm512_store_si512(pb[r], (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  }
+  int64_t c = 0;
+  for (; c + 64 <= R.d; c += 64) pv_bh<MB, 2>(R, r0, jmax, c, pb);
+  for (; c < R.d; c += 32) pv_bh<MB, 1>(R, r0, jmax, c, pb);
+}
+
+// column i of a row in pv_bh's order: within each 32 columns, the unpacks leave lane 4L + i of the low vector with
+// column 8L + i and of the high vector with column 8L + 4 + i (L: the 128-bit lane, i < 4)
+inline int64_t permuted_column(int64_t col) {
+  const int64_t base = col & ~int64_t{31}, rem = col & 31, lane = rem / 8, k = rem % 8;
+  return base + (k >= 4 ? 16 : 0) + 4 * lane + (k % 4);
+}
+
+struct Avx512Bf16 : Avx512 {
+  static void scores(const Rows<Bf16>& R) {
+    switch (R.d / 32) {
+      case 2: return scores_bh<2>(R);
+      case 4: return scores_bh<4>(R);
+      case 1: return scores_bh<1>(R);
+      case 3: return scores_bh<3>(R);
+      default: return Avx512::scores(R);  // past head_dim 128: the float path (Avx512Bf16::accumulate still runs)
+    }
+  }
+  static void accumulate(const Rows<Bf16>& R) {
+    int64_t r = 0;
+    for (; r + 3 <= R.n; r += 3) {
+      const int64_t jm = block_jmax(R, r, 3);
+      if (jm) pv_rows_bh<3>(R, r, jm);
+    }
+    for (; r < R.n; ++r)
+      if (R.nv[r]) pv_rows_bh<1>(R, r, R.nv[r]);
+  }
+  static void finish(float* o, int64_t rows, int64_t d) {
+    std::array<float, 1024> row;  // head_dim <= 1024 (checked by the caller)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* x = o + r * d;
+      std::copy(x, x + d, row.begin());
+      for (int64_t i = 0; i < d; ++i) x[i] = row[permuted_column(i)];
+    }
+  }
+};
+
+#pragma GCC pop_options
 #endif  // KVLLM_X86
 
 // ---- one work item -------------------------------------------------------------------------------------
@@ -687,6 +829,7 @@ void run_item(const Problem& P, const Item& it, Scratch<E>& sc) {
       K::accumulate(R);
     }
   }
+  K::finish(sc.o.data(), rows, d);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t hh = it.h0 + r / rows_h, rr = r % rows_h;
     const int64_t t = q0 + it.i0 + rr / g, head = hh * g + rr % g;
@@ -733,7 +876,7 @@ void check_index(const at::Tensor& t, const char* name, int64_t min_len) {
 void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& qo_indptr,
                      const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len,
                      double scale, at::Tensor& out, bool force_portable, int64_t max_isa) {
-  const int64_t isa = force_portable ? 0 : pick_isa(max_isa);
+  const int64_t isa = force_portable ? 0 : pick_attention_isa(max_isa);
   // q may be a view into the fused qkv projection: only its heads and head_dim need to be contiguous
   TORCH_CHECK_VALUE(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
                         q.stride(0) >= q.size(1) * q.size(2),
@@ -839,6 +982,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     }
   };
 #ifdef KVLLM_X86
+  if (isa >= 3 && P.kv_dtype == DType::BF16 && d % 32 == 0 && d <= 1024)
+    return run_items<Avx512Bf16, c10::BFloat16>(P, items, bounds);
   if (isa >= 2 && d % 16 == 0) return go(Avx512{});
   if (isa >= 1 && d % 8 == 0) return go(Avx2{});
 #endif
@@ -1372,6 +1517,7 @@ void block_linear(const at::Tensor& x, const at::Tensor& q_packed, const at::Ten
 
 bool has_avx2() { return cpu_has_avx2(); }
 int64_t isa_level() { return best_isa(); }
+int64_t attention_isa_level() { return best_attention_isa(); }
 
 }  // namespace
 
@@ -1395,7 +1541,7 @@ void block_linear(const at::Tensor& x, const at::Tensor& q_packed, const at::Ten
 
 TORCH_LIBRARY(kvllm_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, "
-        "Tensor kv_last_page_len, float scale, Tensor(a!) out, bool force_portable=False, int max_isa=2) -> ()",
+        "Tensor kv_last_page_len, float scale, Tensor(a!) out, bool force_portable=False, int max_isa=3) -> ()",
         &paged_attention);
   m.def("int8_linear(Tensor x, Tensor w_packed, Tensor scale, Tensor? bias, Tensor(a!) out, "
         "bool force_portable=False) -> ()", &int8_linear);
@@ -1405,6 +1551,7 @@ TORCH_LIBRARY(kvllm_cpu, m) {
         "-> ()", &block_linear);
   m.def("has_avx2() -> bool", &has_avx2);
   m.def("isa_level() -> int", &isa_level);
+  m.def("attention_isa_level() -> int", &attention_isa_level);
 }
 
 }  // namespace kvllm_cpu

@@ -52,6 +52,25 @@ inline int64_t pick_isa(int64_t max_isa) {
   return std::min(max_isa, best_isa());
 }
 
+// paged attention has one level more: 3, AVX-512 with AVX512-BF16 dot products on a bfloat16 cache
+inline int64_t best_attention_isa() {
+#ifdef KVLLM_X86
+  static const int64_t level = [] {
+    const bool bf16 = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+    return best_isa() == 2 && bf16 ? int64_t{3} : best_isa();
+  }();
+  return level;
+#else
+  return 0;
+#endif
+}
+
+inline int64_t pick_attention_isa(int64_t max_isa) {
+  TORCH_CHECK_VALUE(max_isa >= 0 && max_isa <= 3, "max_isa must be 0 (portable), 1 (AVX2), 2 (AVX-512) or 3 "
+                    "(AVX-512 with AVX512-BF16), got ", max_isa);
+  return std::min(max_isa, best_attention_isa());
+}
+
 #ifdef KVLLM_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")

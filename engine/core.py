@@ -377,7 +377,10 @@ class EngineCore:
                           if hasattr(m, "in_features") and hasattr(m, "out_features"))
         attn = type(self.attn).__name__
         if attn == "CpuPagedBackend":
-            attn += f" ({('portable', 'AVX2', 'AVX-512')[cpu_ext.load().isa_level()]} kernel)"
+            level = min(self.attn.max_isa, cpu_ext.load().attention_isa_level())
+            if level == 3 and self.kv_format.name != "bfloat16":  # the bf16 dot products read bfloat16 pages only
+                level = 2
+            attn += f" ({('portable', 'AVX2', 'AVX-512', 'AVX512-BF16 dot products')[level]} kernel)"
         return (f"Compute: {str(self.dtype).removeprefix('torch.')}{why}; linear layers: "
                 + ", ".join(f"{n} x{k}" for n, k in linears.most_common())
                 + f"; layer ops: {getattr(self.model.layer_ops, 'name', type(self.model.layer_ops).__name__)}; "

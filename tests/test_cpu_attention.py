@@ -4,7 +4,8 @@ The reference below is written out plainly: gather each sequence's K/V slot by s
 then for every query token and head a softmax over the slots it may see (query i of q_len attends slots
 [0, kv_len - q_len + i]; query head h reads KV head h // (Hq / Hkv)). Every kernel level the CPU has is checked:
 AVX-512 (head_dim % 16 == 0, max_isa=2), AVX2 (head_dim % 8 == 0, max_isa=1) and the portable one (forced, and any
-head_dim); a level the CPU lacks is skipped.
+head_dim); a level the CPU lacks is skipped. Level 3 (AVX512-BF16 dot products on a bfloat16 cache, q and the
+probabilities rounded to bf16) is held to the bound that rounding allows.
 """
 import logging
 import math
@@ -26,6 +27,7 @@ if not cpu_ext.is_available():
 from engine.attention.cpu_paged import CpuPagedBackend  # noqa: E402
 
 ISA = cpu_ext.load().isa_level()  # 0 portable, 1 AVX2, 2 AVX-512
+ATTENTION_ISA = cpu_ext.load().attention_isa_level()  # 3: AVX512-BF16 dot products on a bfloat16 cache
 KERNELS = [pytest.param(2, id="avx512", marks=pytest.mark.skipif(ISA < 2, reason="no AVX-512F on this CPU")),
            pytest.param(1, id="avx2", marks=pytest.mark.skipif(ISA < 1, reason="no AVX2 on this CPU")),
            pytest.param(0, id="portable")]
@@ -192,6 +194,71 @@ def test_half_cache_with_float32_queries(level, kv_dtype, d):
     out = run(kernel(level), meta, q, k, v, cache, 0.25)
     assert out.dtype == torch.float32
     assert max_err(out, cache, meta, q, 0.25) < 1e-5
+
+
+needs_bf16_dots = pytest.mark.skipif(ATTENTION_ISA < 3, reason="no AVX512-BF16 on this CPU")
+
+
+def permuted_columns(d: int) -> list[int]:
+    """Where the level-3 kernel accumulates column i before it restores the order (csrc/kvllm_cpu.cpp,
+    permuted_column): within each 32 columns, the 16-bit unpacks put column 8L + i (i < 4) at 4L + i and column
+    8L + 4 + i at 16 + 4L + i."""
+    out = []
+    for col in range(d):
+        base, rem = col - col % 32, col % 32
+        lane, k = rem // 8, rem % 8
+        out.append(base + (16 if k >= 4 else 0) + 4 * lane + k % 4)
+    return out
+
+
+@needs_bf16_dots
+@pytest.mark.parametrize("bs", [1, 16])
+# head_dim 32-128: scores and value sums on bf16 dot products; 96: a 64-column block then a 32-column one; 256:
+# float scores (past the unrolled widths), bf16 value sums
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (16, 1, 64), (4, 4, 32), (6, 2, 96), (6, 2, 128), (3, 1, 256)])
+def test_bf16_dot_products_within_the_rounding_of_the_probabilities(bs, hq, hkv, d):
+    """With q exact in bf16 after the kernel's pre-scale (scale * log2 e = 1/4), the only rounding left is each
+    probability's to bf16 (relative <= 2^-9): |out - float64 reference| <= 2^-9 max|v| plus float32 noise."""
+    scale = 0.25 / math.log2(math.e)
+    cache, meta, q, k, v = make_step(MIXED_Q, MIXED_PREFIX, hq, hkv, d, bs, seed=d + hq)
+    cache, q = cache.bfloat16(), q.bfloat16().float()
+    out = run(kernel(3), meta, q, k, v, cache, scale)
+    bound = 2 ** -9 * cache[:, 1].float().abs().max().item() + 1e-5
+    err = max_err(out, cache, meta, q, scale)
+    assert err <= bound
+    assert not torch.equal(out, run(kernel(2), meta, q, None, None, cache, scale))  # the bf16 path ran
+    # the check is not vacuous: the output left in the kernel's accumulation order is far off
+    wrong = out[..., torch.tensor(permuted_columns(d))]
+    assert max_err(wrong, cache, meta, q, scale) > 20 * bound
+
+
+@needs_bf16_dots
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (6, 2, 128)])
+def test_bf16_dot_products_with_any_query(hq, hkv, d):
+    """float32 queries as a model gives them (rounded to bf16 inside): within 2e-2 of the float64 reference on
+    randn data (the level-2 kernel: 1e-5), over decode rows, prefill tiles and chunk tails."""
+    cache, meta, q, k, v = make_step(MIXED_Q, MIXED_PREFIX, hq, hkv, d, 4, seed=3)
+    cache = cache.bfloat16()
+    out = run(kernel(3), meta, q, k, v, cache, 1 / math.sqrt(d))
+    assert max_err(out, cache, meta, q, 1 / math.sqrt(d)) < 2e-2
+
+
+@needs_bf16_dots
+@pytest.mark.parametrize("kv_dtype,d", [(torch.float32, 64), (torch.float16, 64), (torch.bfloat16, 16),
+                                        (torch.int8, 64)])
+def test_level_3_is_level_2_elsewhere(kv_dtype, d):
+    """Only a bfloat16 cache with head_dim % 32 == 0 takes the bf16 dot products; other caches and head_dims run
+    the AVX-512 kernel, bit for bit."""
+    cache, meta, q, k, v = make_step(MIXED_Q, MIXED_PREFIX, 6, 2, d, 4, seed=4)
+    if kv_dtype == torch.int8:
+        cache = torch.randint(-127, 128, cache.shape[:-1] + (d + 4,), dtype=torch.int8)
+        cache[..., d:] = torch.tensor([0.01], dtype=torch.float32).view(torch.int8)
+        k = v = None
+    else:
+        cache = cache.to(kv_dtype)
+    a = run(kernel(3), meta, q, k, v, cache.clone(), 0.25)
+    b = run(kernel(2), meta, q, k, v, cache.clone(), 0.25)
+    assert torch.equal(a, b)
 
 
 def test_max_isa_out_of_range_names_the_field():

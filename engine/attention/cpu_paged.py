@@ -11,6 +11,9 @@ float32, bfloat16 and float16 run in the kernel, in any mix of query and cache d
 registers, math in float32: `kv_cache_dtype='float16'` halves the bytes a decode step reads). 8-bit pages (int8,
 fp8_e5m2, fp8_e4m3 with a scale per row, paging/kv_format.py) are widened in registers too, their scales applied to
 scores and probabilities: a quarter of float32's bytes. Any other dtype or a non-CPU tensor goes to TorchPagedBackend.
+On a CPU with AVX512-BF16 a bfloat16 cache (head_dim % 32 == 0) is multiplied as stored, with bf16 dot products, q
+and the probabilities rounded to bf16 (max_isa 3, the default; 2 keeps the float32 math): the rounding GPU kernels
+apply to bf16 inputs, its cost measured in docs/benchmarks.md ("KV dtype and compression quality").
 """
 from __future__ import annotations
 
@@ -29,11 +32,13 @@ class CpuPagedBackend:
     """AttentionBackend over NHD pages [num_blocks, 2, block_size, Hkv, D] on the CPU. Raises
     cpu_ext.ExtensionUnavailable when the kernel cannot be built or loaded."""
 
-    def __init__(self, force_portable: bool = False, max_isa: int = 2) -> None:
+    def __init__(self, force_portable: bool = False, max_isa: int = 3) -> None:
         self._ops = cpu_ext.load()
         self._fallback = TorchPagedBackend()
         self.force_portable = force_portable  # the non-AVX2 kernels, for tests on AVX2 machines
-        self.max_isa = max_isa  # 2: AVX-512 where the CPU has it; 1: AVX2 at most; 0: portable (tests of each level)
+        # 3: AVX512-BF16 dot products on a bfloat16 cache where the CPU has them; 2: AVX-512 at most; 1: AVX2 at most;
+        # 0: portable (tests of each level)
+        self.max_isa = max_isa
 
     def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
              dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> None:
