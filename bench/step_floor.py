@@ -36,7 +36,7 @@ TERMS = ("GEMM", "attention", "argmax", "other ops")
 
 
 def term_of(op: str) -> str:
-    if any(k in op for k in ("packed_linear", "block_linear", "int8_linear", "_linear_pointwise")) or op in (
+    if any(k in op for k in ("packed_linear", "block_linear", "bf16_linear", "int8_linear", "_linear_pointwise")) or op in (
             "aten::addmm", "aten::mm", "aten::linear"):
         return "GEMM"
     if "paged_attention" in op:
@@ -48,7 +48,8 @@ def term_of(op: str) -> str:
 
 def rates(model, threads: int, dtype=None) -> dict:
     """GFLOP/s of the packed GEMM and of torch's at 2048 rows, and GB/s of one long read, at `threads` threads.
-    At bfloat16 (dtype) the packed GEMM is the model's own oneDNN layer and torch's is F.linear in bfloat16."""
+    At bfloat16 (dtype) the packed GEMM is the model's own bf16 layer (oneDNN, or under a row split its bf16 panels)
+    and torch's is F.linear in bfloat16."""
     import torch
 
     from bench.common import median, timed
@@ -65,9 +66,10 @@ def rates(model, threads: int, dtype=None) -> dict:
         dense.weight.data = lin.weight.detach().float()
         lin = PackedLinear(dense)
     x = torch.randn(2048, in_f, dtype=dtype)
+    x_lin = x.float() if getattr(lin, "w_panels", None) is not None else x  # bf16 panels take float32 rows
     dense_w = torch.randn(out_f, in_f, dtype=dtype)
     with torch.no_grad():
-        gemm_s = median(timed(lambda: lin(x), 5))
+        gemm_s = median(timed(lambda: lin(x_lin), 5))
         mkl_s = median(timed(lambda: torch.nn.functional.linear(x, dense_w), 5))
     big = torch.ones(2 ** 28)
     read_s = median(timed(lambda: big.sum(), 5))

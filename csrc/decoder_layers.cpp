@@ -10,12 +10,10 @@
 //
 // Per layer (weights[18 * i ...]): input norm, qkv linear, o linear, post-attention norm, gate/up linear, down
 // linear, each linear as four tensors (w, d, m, bias): a GGUF block layer (int8 w, its d and m; csrc block_linear),
-// a float32 panel layer (w_packed, then two empty tensors; packed_linear) or a bfloat16 oneDNN layer (a packed
-// mkldnn weight, two empty tensors, a bfloat16 bias; the op engine/models/onednn.py calls, its input rounded to
-// bfloat16 and its output widened back, as engine/models/packed.py split_forward does); an empty bias is none. The
-// final norm's weight is the last tensor. Activations stay float32 throughout.
+// a float32 panel layer (w_packed, then two empty tensors; packed_linear) or a bfloat16 panel layer (w_panels, two
+// empty tensors; csrc/bf16_linear.cpp); an empty bias is none. The final norm's weight is the last tensor.
+// Activations stay float32 throughout.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
@@ -37,21 +35,11 @@ std::optional<at::Tensor> maybe(const at::Tensor& t) {
   return t.numel() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-// oneDNN's packed bf16 linear, the registration torch.ops.mkldnn._linear_pointwise calls
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                         c10::string_view, c10::List<std::optional<at::Scalar>>,
-                                         std::optional<c10::string_view>)>();
-  return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
-}
-
 // w: the four tensors of one linear layer at weights[i]
 void linear(const at::Tensor& x, const at::TensorList& w, int64_t i, at::Tensor& out, int64_t isa) {
-  if (w[i].is_mkldnn()) {
-    KVLLM_RANGE("onednn_linear");
-    out.copy_(onednn_linear(x.to(at::kBFloat16), w[i], maybe(w[i + 3])));
+  if (w[i].scalar_type() == at::kBFloat16) {
+    KVLLM_RANGE("bf16_linear");
+    ops::bf16_linear(x, w[i], maybe(w[i + 3]), out);
   } else if (w[i].scalar_type() == at::kChar) {
     KVLLM_RANGE("block_linear");
     ops::block_linear(x, w[i], w[i + 1], w[i + 2], maybe(w[i + 3]), out, isa);

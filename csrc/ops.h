@@ -20,6 +20,7 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Ten
               const std::optional<at::Tensor>& residual, int64_t max_isa);
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, int64_t max_isa);
 void silu_mul(const at::Tensor& x, at::Tensor& out, int64_t max_isa);
+void bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out);
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, const at::Tensor& slot_mapping);
 
 }  // namespace kvllm_cpu::ops

@@ -149,8 +149,8 @@ class EngineConfig:
     # -- numerics and devices -----------------------------------------------------------------------------------
     dtype: str | torch.dtype = setting("auto", choices=DTYPES, help="model dtype; auto: bfloat16 on CUDA and on "
                                        "CPUs with AMX/AVX512-BF16, float32 elsewhere (bf16 matmuls are slow there); "
-                                       "a .gguf model on such a CPU runs float32 split by row count: GEMMs of <= 8 rows "
-                                       "on the file's blocks, larger ones on bfloat16 oneDNN copies, bfloat16 KV "
+                                       "a .gguf model on a CPU with AVX512-BF16 runs float32 split by row count: GEMMs "
+                                       "of <= 4 rows on the file's blocks, larger ones on bfloat16 panels, bfloat16 KV "
                                        "pages")
     device: str | None = setting(None, help="cpu, cuda or cuda:N (default: cuda when available)")
     seed: int = setting(0, help="seed of requests that give none")

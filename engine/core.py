@@ -29,7 +29,7 @@ from engine.executor import StepExecutor
 from engine.loader import gguf_file, load_model
 from engine.lossless import LosslessController, LosslessStep
 from engine.model_runner import ModelRunner
-from engine.models import onednn
+from engine.models import bf16_panels
 from engine.models.backends import GEMM_BACKENDS, pick_layer_ops
 from engine.models.quant import QUANTIZATIONS
 from engine.models.row_split import SPLIT_ROWS, split_rows
@@ -53,17 +53,12 @@ logger = logging.getLogger("kvllm")
 def row_split_applies(config: EngineConfig, device: torch.device) -> bool:
     """Whether `dtype='auto'` runs the model as float32 with its GEMMs split by row count
     (engine/models/row_split.py): a .gguf model, unsharded and unquantized, every kernel choice 'auto', on a CPU with
-    fast bf16 GEMMs (AVX512-BF16/AMX) whose C++ kernels load with AVX2."""
+    AVX512-BF16 (the bf16 panels' dot products) whose C++ kernels load."""
     if (config.dtype != "auto" or device.type != "cpu" or config.tensor_parallel_size != 1
             or config.quantization is not None or config.gemm_backend != "auto" or config.layer_ops != "auto"
             or config.attention_backend not in ("auto", "cpu") or not cpu_has_fast_bf16()):
         return False
-    if onednn.available() is not None or gguf_file(config.model_source()) is None:
-        return False
-    try:
-        return bool(cpu_ext.load().has_avx2())
-    except cpu_ext.ExtensionUnavailable:
-        return False
+    return bf16_panels.available() is None and gguf_file(config.model_source()) is not None
 
 
 class EngineCore:
@@ -368,9 +363,8 @@ class EngineCore:
         c = self.config
         why = ""
         if self.row_split:
-            why = (f" activations (auto: a .gguf model on a CPU with AVX512-BF16/AMX: GEMMs of <= {SPLIT_ROWS} "
-                   f"rows on the file's blocks, of more rows on bfloat16 oneDNN copies; KV pages "
-                   f"{self.kv_format.name})")
+            why = (f" activations (auto: a .gguf model on a CPU with AVX512-BF16: GEMMs of <= {SPLIT_ROWS} "
+                   f"rows on the file's blocks, of more rows on bfloat16 panels; KV pages {self.kv_format.name})")
         elif c.dtype == "auto" and self.device.type == "cpu":
             why = " (auto: this CPU has AVX512-BF16/AMX)" if cpu_has_fast_bf16() else " (auto: no fast bf16 here)"
         linears = Counter(type(m).__name__ for m in self.model.modules()

@@ -1,5 +1,5 @@
 """The row split (engine/models/row_split.py): a float32 model whose forwards of at most `rows` tokens run the fused
-stack on the float32 kernels and whose larger forwards take bfloat16 oneDNN copies of the linears' weights (in the
+stack on the float32 kernels and whose larger forwards take bfloat16-panel copies of the linears' weights (in the
 same fused stack, or layer by layer). Each side is compared bit for bit with what it stands in for (the unsplit
 float32 model; the per-layer path of the split model), the linear dispatch at the boundary row count, and when
 `dtype='auto'` picks it."""
@@ -10,14 +10,14 @@ import torch
 from torch import nn
 
 from engine.attention import cpu_ext
-from engine.models import onednn
+from engine.models import bf16_panels
 
 try:
     cpu_ext.load()
 except cpu_ext.ExtensionUnavailable as exc:
     pytest.skip(f"C++ extension unavailable: {exc}", allow_module_level=True)
-if onednn.available() is not None:
-    pytest.skip(f"no oneDNN bf16 here: {onednn.available()}", allow_module_level=True)
+if bf16_panels.available() is not None:
+    pytest.skip(f"no bf16 panels here: {bf16_panels.available()}", allow_module_level=True)
 
 from engine.attention.base import build_metadata  # noqa: E402
 from engine.attention.cpu_paged import CpuPagedBackend  # noqa: E402
@@ -26,7 +26,7 @@ from engine.core import row_split_applies  # noqa: E402
 from engine.models.fused_layers import FusedLayerOps  # noqa: E402
 from engine.models.gguf_linear import BlockLinear  # noqa: E402
 from engine.models.layer_ops import CpuLayerOps  # noqa: E402
-from engine.models.onednn import OneDnnLinear  # noqa: E402
+from engine.models.bf16_panels import Bf16PanelLinear  # noqa: E402
 from engine.models.packed import PackedLinear, pack_linears  # noqa: E402
 from engine.models.row_split import split_rows  # noqa: E402
 
@@ -47,7 +47,7 @@ def test_linear_dispatch_at_the_boundary(make):
     holder = nn.Module()
     holder.lin = lin
     assert split_rows(holder, rows=ROWS) == 1 and holder.many_rows_above == ROWS
-    twin = OneDnnLinear(nn.Linear(64, 48, bias=lin.bias is not None).to(torch.bfloat16))
+    assert isinstance(lin.many_rows, Bf16PanelLinear)
     with torch.no_grad():  # the bf16 copy holds the layer's own weight, rounded once
         assert torch.equal(lin.many_rows.weight, lin.weight.bfloat16())
     g = torch.Generator().manual_seed(1)
@@ -55,22 +55,21 @@ def test_linear_dispatch_at_the_boundary(make):
         x = torch.randn(rows, 64, generator=g)
         got = lin(x)
         assert got.dtype == torch.float32 and got.shape == (rows, 48)
-        want = lin.forward_float32(x) if rows <= ROWS else lin.many_rows(x).float()
+        want = lin.forward_float32(x) if rows <= ROWS else lin.many_rows(x)
         assert torch.equal(got, want), rows
         # either side against float64 over the layer's weight: float32 rounding, or bf16's (inputs and weights)
         ref = x.double() @ lin.weight.double().T + (0 if lin.bias is None else lin.bias.double())
         tol = 1e-5 if rows <= ROWS else 3e-2
         assert torch.allclose(got.double(), ref, atol=tol * ref.abs().max().item(), rtol=0), rows
-    del twin
-    # bfloat16 inputs (the layer loop of a large forward): oneDNN for many rows, float32 kernels cast back for few
+    # bfloat16 inputs: either side, the output cast back to bf16
     xb = torch.randn(ROWS + 1, 64, generator=g).bfloat16()
-    assert torch.equal(lin(xb), lin.many_rows(xb))
+    assert torch.equal(lin(xb), lin.many_rows(xb).bfloat16())
     xs = xb[:2]
     assert torch.equal(lin(xs), lin.forward_float32(xs).bfloat16())
     # a boundary off by one is caught: with the threshold one higher, ROWS + 1 rows would take the float32 kernel
     lin.many_rows_above = ROWS + 1
     x = torch.randn(ROWS + 1, 64, generator=g)
-    assert not torch.equal(lin(x), lin.many_rows(x).float())
+    assert not torch.equal(lin(x), lin.many_rows(x))
 
 
 # two sequences; SMALL: steps of <= ROWS tokens (float32 kernels), LARGE: steps of more (the bfloat16 copies)
@@ -153,7 +152,7 @@ def test_which_configurations_split(monkeypatch):
 
 def test_smollm2_at_auto_splits_and_serves():
     """The default engine on a CPU with fast bf16: float32 compute, bfloat16 pages, the startup line says so; a
-    greedy batch of a short and a long prompt runs both sides (a prefill of > 8 tokens, decodes of 2) and its first
+    greedy batch of a short and a long prompt runs both sides (a prefill of > 4 tokens, decodes of 2) and its first
     tokens equal the float32 model's (the few-row side is that model's kernels)."""
     from engine import Engine, SamplingParams
     from engine.config import cpu_has_fast_bf16
@@ -164,8 +163,8 @@ def test_smollm2_at_auto_splits_and_serves():
     try:
         core = eng.core
         assert core.row_split and core.dtype == torch.float32 and core.kv_format.name == "bfloat16"
-        assert "GEMMs of <= 8 rows" in core.compute_line()
-        assert core.model.layer_ops.name == "fused" and core.model.many_rows_above == 8
+        assert "GEMMs of <= 4 rows" in core.compute_line()
+        assert core.model.layer_ops.name == "fused" and core.model.many_rows_above == 4
         text = open("/usr/share/common-licenses/GPL-3").read()[:600]
         outs = eng.generate(["The capital of France is", text],
                             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

@@ -27,7 +27,7 @@ logger = logging.getLogger("kvllm.attention")
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"
-SOURCES = [CSRC / "kvllm_cpu.cpp", CSRC / "layer_ops.cpp", CSRC / "decoder_layers.cpp"]
+SOURCES = [CSRC / "kvllm_cpu.cpp", CSRC / "layer_ops.cpp", CSRC / "decoder_layers.cpp", CSRC / "bf16_linear.cpp"]
 HEADERS = [CSRC / "simd.h", CSRC / "ops.h"]
 _NAME = "kvllm_cpu"
 

@@ -2,7 +2,7 @@
 
 The call runs, layer by layer, the kernels the per-layer path (engine/models/llama.py with CpuLayerOps) calls one
 by one: RMSNorm with the residual add, the qkv / o / gate-up / down linears (GGUF blocks or float32 panels; under a
-row split, engine/models/row_split.py, their bfloat16 oneDNN copies for forwards of many tokens), RoPE,
+row split, engine/models/row_split.py, their bfloat16-panel copies for forwards of more tokens), RoPE,
 the K/V writes and paged attention, SiLU-multiply. Same kernels, same order, same inputs: the hidden states are bit
 for bit the per-layer path's. What it removes is the Python between them (module calls, argument checks, an output
 allocation per op), which at a small model's decode step is several milliseconds.
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.cpu_paged import CpuPagedBackend
+from engine.models.bf16_panels import Bf16PanelLinear
 from engine.models.gguf_linear import BlockLinear
 from engine.models.layer_ops import CpuLayerOps, can_use_cpu_ops
 from engine.models.packed import PackedLinear
@@ -59,7 +60,7 @@ def _linears(layer) -> list[tuple[str, torch.nn.Module]]:
 
 def _stack_weights(model: DecoderLM, many: bool) -> list[torch.Tensor]:
     """The tensors csrc/decoder_layers.cpp takes, 18 a layer and the final norm's weight; with `many`, each linear's
-    bf16 oneDNN copy in place of its own weight."""
+    bf16-panel copy in place of its own weight."""
     empty = torch.empty(0)
     weights = []
     for layer in model.layers:
@@ -70,7 +71,9 @@ def _stack_weights(model: DecoderLM, many: bool) -> list[torch.Tensor]:
             bias = empty if lin.bias is None else lin.bias
             if isinstance(lin, BlockLinear):
                 weights += [lin.q_packed, lin.d, lin.m, bias]
-            else:  # PackedLinear's float32 panels or OneDnnLinear's mkldnn weight
+            elif isinstance(lin, Bf16PanelLinear):
+                weights += [lin.w_panels, empty, empty, bias]
+            else:  # PackedLinear's float32 panels
                 weights += [lin.w_packed, empty, empty, bias]
             if name == "o_proj":
                 weights.append(layer.post_attention_layernorm.weight)

@@ -75,7 +75,7 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
                                                                   requires_grad=False)
         self.max_isa = 2  # the best kernel the CPU has; 1 keeps the AVX2 tile (tests, benchmarks)
-        self.many_rows: nn.Module | None = None  # a bf16 copy for calls of many rows (engine/models/row_split.py)
+        self.many_rows: nn.Module | None = None  # a bf16 copy for calls of more rows (engine/models/row_split.py)
         self.many_rows_above = 0
 
     @property

@@ -1,0 +1,167 @@
+// bf16_linear: y = x W^T + b with W held as bfloat16 panels for AVX512-BF16's vdpbf16ps (engine/models/bf16_panels.py
+// packs them), x float32 rounded to bfloat16 once per call, y float32.
+//
+// Layout: panel p holds output channels [16p, 16p + 16) as [K/2, 16, 2]: for each pair of input columns, the 16
+// channels' two weights side by side, so one 64-byte load is the panel's weights for two columns and one vdpbf16ps
+// with a broadcast (x[r][2k], x[r][2k+1]) pair adds 32 products into the panel's 16 accumulators of row r.
+// Tile: MR <= 8 rows x 3 panels (24 accumulators), the three panels streamed in step, K pairs innermost; rows past
+// 8 take the next tile over the same panels (then in L2). Panel groups are split over torch's threads.
+// Why: a decode step of 8-64 sequences multiplies each weight by few rows; oneDNN's bf16 GEMM runs those shapes well
+// below the rate it reaches at prefill sizes, and the float32 kernels on the GGUF blocks do half the work per
+// instruction (docs/benchmarks.md, "GEMMs split by row count").
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "ops.h"
+#include "simd.h"
+
+namespace kvllm_cpu {
+namespace {
+
+constexpr int kPanel = 16;
+constexpr int kTileRows = 8;
+constexpr int kTilePanels = 3;
+
+bool cpu_has_avx512_bf16() {
+#ifdef KVLLM_X86
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return best_isa() >= 2 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+struct Problem {
+  const uint32_t* x;  // [M, K/2] bf16 pairs
+  const uint16_t* w;  // [P, K/2, 16, 2]
+  const float* bias;  // [N] or null
+  float* out;         // [M, N]
+  int64_t m, k2, n, panels;
+};
+
+#ifdef KVLLM_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma")
+
+template <int MR, int NP>
+inline void tile(const Problem& B, int64_t r0, int64_t p0) {
+  __m512 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+  const uint16_t* w[NP];
+  for (int j = 0; j < NP; ++j) w[j] = B.w + (p0 + j) * B.k2 * 2 * kPanel;
+  const uint32_t* x = B.x + r0 * B.k2;
+  for (int64_t kk = 0; kk < B.k2; ++kk) {
+    __m512bh wv[NP];
+    for (int j = 0; j < NP; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + kk * 2 * kPanel);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * B.k2 + kk]));
+      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  for (int j = 0; j < NP; ++j) {
+    const int64_t n0 = (p0 + j) * kPanel, nn = std::min<int64_t>(kPanel, B.n - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << nn) - 1u);
+    const __m512 b = B.bias ? _mm512_maskz_loadu_ps(mask, B.bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r)
+      _mm512_mask_storeu_ps(B.out + (r0 + r) * B.n + n0, mask, _mm512_add_ps(acc[r][j], b));
+  }
+}
+
+template <int NP>
+void rows_of(const Problem& B, int64_t p0) {
+  int64_t r = 0;
+  for (; r + kTileRows <= B.m; r += kTileRows) tile<kTileRows, NP>(B, r, p0);
+  switch (B.m - r) {
+    case 1: return tile<1, NP>(B, r, p0);
+    case 2: return tile<2, NP>(B, r, p0);
+    case 3: return tile<3, NP>(B, r, p0);
+    case 4: return tile<4, NP>(B, r, p0);
+    case 5: return tile<5, NP>(B, r, p0);
+    case 6: return tile<6, NP>(B, r, p0);
+    case 7: return tile<7, NP>(B, r, p0);
+    default: return;
+  }
+}
+
+// float32 rows -> bf16 (round to nearest even), K even
+void to_bf16(const float* x, int64_t m, int64_t k, int64_t ld, uint16_t* out) {
+  for (int64_t r = 0; r < m; ++r) {
+    const float* src = x + r * ld;
+    uint16_t* dst = out + r * k;
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32)
+      _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i)));
+    for (; i < k; ++i) {
+      const c10::BFloat16 b(src[i]);  // round to nearest even, as cvtne2ps
+      std::memcpy(dst + i, &b, 2);
+    }
+  }
+}
+
+#pragma GCC pop_options
+#endif  // KVLLM_X86
+
+}  // namespace
+
+void bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  TORCH_CHECK_VALUE(cpu_has_avx512_bf16(), "bf16_linear needs AVX512-BF16 (this CPU lacks it)");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+                    "x must be a float32 CPU [M, K] tensor with contiguous rows");
+  TORCH_CHECK_VALUE(w.device().is_cpu() && w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
+                        w.size(2) == kPanel && w.size(3) == 2,
+                    "w must be contiguous bf16 panels [P, K/2, 16, 2] (engine/models/bf16_panels.py)");
+  const int64_t m = x.size(0), k = x.size(1), panels = w.size(0);
+  TORCH_CHECK_VALUE(k == 2 * w.size(1), "x has ", k, " columns, the panels hold ", 2 * w.size(1));
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == m &&
+                        out.is_contiguous() && out.size(1) > (panels - 1) * kPanel && out.size(1) <= panels * kPanel,
+                    "out must be a contiguous float32 [M, N] tensor, N within the panels' ", panels * kPanel,
+                    " channels");
+  const int64_t n = out.size(1);
+  if (bias) {
+    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                      "bias must be a contiguous float32 [N] tensor");
+  }
+  if (m == 0) return;
+#ifdef KVLLM_X86
+  std::vector<uint16_t> xb(m * k);
+  to_bf16(x.data_ptr<float>(), m, k, x.stride(0), xb.data());
+  Problem B{reinterpret_cast<const uint32_t*>(xb.data()), reinterpret_cast<const uint16_t*>(w.data_ptr()),
+            bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, k / 2, n, panels};
+  const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * kTilePanels, np = std::min<int64_t>(kTilePanels, panels - p0);
+      if (np == 3) rows_of<3>(B, p0);
+      else if (np == 2) rows_of<2>(B, p0);
+      else rows_of<1>(B, p0);
+    }
+  });
+#endif
+}
+
+bool has_avx512_bf16() { return cpu_has_avx512_bf16(); }
+
+namespace ops {
+void bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  kvllm_cpu::bf16_linear(x, w, bias, out);
+}
+}  // namespace ops
+
+TORCH_LIBRARY_FRAGMENT(kvllm_cpu, m) {
+  m.def("bf16_linear(Tensor x, Tensor w_panels, Tensor? bias, Tensor(a!) out) -> ()", &bf16_linear);
+  m.def("has_avx512_bf16() -> bool", &has_avx512_bf16);
+}
+
+}  // namespace kvllm_cpu
