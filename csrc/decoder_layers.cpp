@@ -54,7 +54,8 @@ at::Tensor decoder_layers(const at::Tensor& hidden, at::TensorList weights, at::
                           const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                           const at::Tensor& kv_last_page_len, const at::Tensor& slot_mapping, int64_t num_q_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double scale,
-                          double eps, int64_t linear_isa, int64_t ops_isa, int64_t attn_isa, bool attn_portable) {
+                          double eps, int64_t linear_isa, int64_t ops_isa, int64_t attn_isa, bool attn_portable,
+                          const at::Tensor& capture_rows, at::Tensor capture_out) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK_VALUE(layers > 0 && static_cast<int64_t>(weights.size()) == kPerLayer * layers + 1,
                     "weights must hold ",
@@ -75,6 +76,14 @@ at::Tensor decoder_layers(const at::Tensor& hidden, at::TensorList weights, at::
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});
   at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
   const at::Tensor attn_rows = attn.view({t, q_size});
+  const bool capture = capture_rows.numel() > 0;  // a compression scorer keeps these rows' post-RoPE queries
+  if (capture) {
+    TORCH_CHECK_VALUE(capture_rows.scalar_type() == at::kLong && capture_rows.dim() == 1,
+                      "capture_rows must be a 1-D int64 tensor");
+    TORCH_CHECK_VALUE(capture_out.scalar_type() == at::kFloat &&
+                          capture_out.sizes() == at::IntArrayRef({layers, capture_rows.numel(), num_q_heads, head_dim}),
+                      "capture_out must be a float32 [layers, rows, num_q_heads, head_dim] tensor");
+  }
   for (int64_t i = 0; i < layers; ++i) {
     const at::TensorList w = weights.slice(kPerLayer * i, kPerLayer);
     at::Tensor cache = kv_caches[i];
@@ -87,6 +96,11 @@ at::Tensor decoder_layers(const at::Tensor& hidden, at::TensorList weights, at::
     {
       KVLLM_RANGE("rope_");
       ops::rope_(q, k, cos, sin, ops_isa);
+    }
+    if (capture) {
+      KVLLM_RANGE("capture_queries");
+      at::Tensor layer_rows = capture_out[i];
+      at::index_select_out(layer_rows, q, 0, capture_rows);
     }
     {
       KVLLM_RANGE("write_kv");
@@ -121,7 +135,8 @@ TORCH_LIBRARY_FRAGMENT(kvllm_cpu, m) {
   m.def("decoder_layers(Tensor hidden, Tensor[] weights, Tensor[] kv_caches, Tensor cos, Tensor sin, "
         "Tensor qo_indptr, Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, Tensor slot_mapping, "
         "int num_q_heads, int num_kv_heads, int head_dim, int intermediate_size, float scale, float eps, "
-        "int linear_isa, int ops_isa, int attn_isa, bool attn_portable) -> Tensor",
+        "int linear_isa, int ops_isa, int attn_isa, bool attn_portable, Tensor capture_rows, "
+        "Tensor(a!) capture_out) -> Tensor",
         &decoder_layers);
 }
 

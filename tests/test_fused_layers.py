@@ -102,10 +102,45 @@ def test_forward_takes_the_per_layer_path_where_the_call_does_not_apply(monkeypa
     assert not calls and all(torch.equal(a, b) for a, b in zip(got, ref))
     _run(model, fused, CpuPagedBackend())
     assert len(calls) == len(STEPS)
-    # a step that captures its queries (a compression scorer) needs the module path
-    meta = build_metadata([[0]], [2], [2], 4)
-    meta.capture = object()
-    assert not fused.usable(CpuPagedBackend(), [torch.zeros(2, 2, 4, 2, 8)], meta)
+
+
+def test_captured_queries_equal_the_per_layer_paths(monkeypatch):
+    """A step that keeps some rows' post-RoPE queries (a compression scorer, query_source 'cache') stays in the
+    fused call; its queries, hidden states and pages equal the per-layer path's bit for bit."""
+    from engine.attention.base import QueryCapture
+
+    model = _packed_model("llama")
+    fused = FusedLayerOps(model)
+    rows = torch.tensor([0, 3, 5, 6])  # rows of both sequences in the mixed step
+
+    def run(ops):
+        captures = []
+        real = build_metadata
+
+        def with_capture(*a, **k):
+            meta = real(*a, **k)
+            meta.capture = QueryCapture(rows[rows < sum(a[1])], model.config.num_layers)
+            captures.append(meta.capture)
+            return meta
+
+        monkeypatch.setattr(f"{__name__}.build_metadata", with_capture)
+        hidden, pages = _run(model, ops, CpuPagedBackend())
+        monkeypatch.undo()
+        return hidden, pages, [c.out for c in captures]
+
+    calls = []
+    real_forward = FusedLayerOps.forward_layers
+    ref = run(CpuLayerOps())
+    monkeypatch.setattr(FusedLayerOps, "forward_layers", lambda self, *a: calls.append(1) or real_forward(self, *a))
+    got = run(fused)
+    assert len(calls) == len(STEPS)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], ref[0]))
+    assert torch.equal(got[1].nan_to_num(), ref[1].nan_to_num())
+    for a, b in zip(got[2], ref[2]):
+        assert a.shape == (model.config.num_layers, b.shape[1], model.num_local_q_heads, model.config.head_dim)
+        assert torch.equal(a, b)
+    # not vacuous: the queries differ between layers and rows
+    assert not torch.equal(got[2][1][0], got[2][1][1]) and not torch.equal(got[2][1][:, 0], got[2][1][:, 1])
 
 
 def test_which_models_run_fused(make_engine):

@@ -3,14 +3,15 @@
 The call runs, layer by layer, the kernels the per-layer path (engine/models/llama.py with CpuLayerOps) calls one
 by one: RMSNorm with the residual add, the qkv / o / gate-up / down linears (GGUF blocks or float32 panels; under a
 row split, engine/models/row_split.py, their bfloat16-panel copies for forwards of more tokens), RoPE,
-the K/V writes and paged attention, SiLU-multiply. Same kernels, same order, same inputs: the hidden states are bit
+the K/V writes and paged attention, SiLU-multiply, and keeps the post-RoPE queries of the rows a compression scorer
+asks for (`meta.capture`, the cache query source). Same kernels, same order, same inputs: the hidden states are bit
 for bit the per-layer path's. What it removes is the Python between them (module calls, argument checks, an output
 allocation per op), which at a small model's decode step is several milliseconds.
 
 It applies where every one of those kernels would run anyway: a float32 model on the CPU, not split by tensor
 parallelism, without per-head q/k norms (Qwen3), every layer linear a BlockLinear or PackedLinear (gemm_backend
-gguf or cpu), the cpu attention backend on a float or 8-bit cache (engine/attention/cpu_paged.py), and no query capture in the step
-(a compression scorer reading the step's queries). A forward that does not qualify takes the per-layer path.
+gguf or cpu), the cpu attention backend on a float or 8-bit cache (engine/attention/cpu_paged.py). A forward that
+does not qualify takes the per-layer path.
 """
 from __future__ import annotations
 
@@ -100,22 +101,28 @@ class FusedLayerOps(CpuLayerOps):
         # under a row split (engine/models/row_split.py) forwards of more rows take the linears' bf16 copies
         self.many_rows_above: int | None = getattr(model, "many_rows_above", None)
         self._weights_many = None if self.many_rows_above is None else _stack_weights(model, many=True)
+        self._no_capture = (torch.empty(0, dtype=torch.int64), torch.empty(0))
         attn = model.layers[0].self_attn
         self._shape = (attn.num_q_heads, attn.num_kv_heads, attn.head_dim, model.layers[0].mlp.down_proj.in_features,
                        attn.scale, model.norm.eps)
 
     def usable(self, attn, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
-        """Whether this forward can take the fused call (the backend and cache the kernels take, no capture)."""
+        """Whether this forward can take the fused call (the backend and cache the kernels take)."""
         cache = kv_caches[0]
-        return (meta.capture is None and type(attn) is CpuPagedBackend and cache.dtype in CACHE_DTYPES
-                and cache.device.type == "cpu" and cache.is_contiguous())
+        return (type(attn) is CpuPagedBackend and cache.dtype in CACHE_DTYPES and cache.device.type == "cpu"
+                and cache.is_contiguous())
 
     def forward_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
                        attn, meta: AttentionMetadata) -> torch.Tensor:
         """Embedded tokens [T, hidden] -> the final-normed hidden states, as DecoderLM.forward's layer loop."""
         hq, hkv, d, inter, scale, eps = self._shape
         many = self._weights_many is not None and h.shape[0] > self.many_rows_above
+        rows, out = self._no_capture
+        if meta.capture is not None:  # a compression scorer's queries (engine/attention/base.py QueryCapture)
+            rows = meta.capture.rows
+            out = meta.capture.out = h.new_empty(len(kv_caches), rows.numel(), hq, d)
         return self._ops.decoder_layers(h.contiguous(), self._weights_many if many else self._weights, kv_caches, cos.contiguous(), sin.contiguous(),
                                         meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
                                         meta.slot_mapping, hq, hkv, d, inter, float(scale), float(eps),
-                                        self._linears[0].max_isa, self.max_isa, attn.max_isa, attn.force_portable)
+                                        self._linears[0].max_isa, self.max_isa, attn.max_isa, attn.force_portable,
+                                        rows, out)
