@@ -29,6 +29,7 @@ namespace {
 constexpr int kPanel = 16;
 constexpr int kTileRows = 8;
 constexpr int kTilePanels = 3;
+constexpr int64_t kChunkRows = 256;  // rows per work item (a multiple of kTileRows)
 
 bool cpu_has_avx512_bf16() {
 #ifdef KVLLM_X86
@@ -79,11 +80,12 @@ inline void tile(const Problem& B, int64_t r0, int64_t p0) {
   }
 }
 
+// rows [r0, r1) of panels p0 .. p0 + NP
 template <int NP>
-void rows_of(const Problem& B, int64_t p0) {
-  int64_t r = 0;
-  for (; r + kTileRows <= B.m; r += kTileRows) tile<kTileRows, NP>(B, r, p0);
-  switch (B.m - r) {
+void rows_of(const Problem& B, int64_t p0, int64_t r0, int64_t r1) {
+  int64_t r = r0;
+  for (; r + kTileRows <= r1; r += kTileRows) tile<kTileRows, NP>(B, r, p0);
+  switch (r1 - r) {
     case 1: return tile<1, NP>(B, r, p0);
     case 2: return tile<2, NP>(B, r, p0);
     case 3: return tile<3, NP>(B, r, p0);
@@ -136,16 +138,22 @@ void bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<a
   if (m == 0) return;
 #ifdef KVLLM_X86
   std::vector<uint16_t> xb(m * k);
-  to_bf16(x.data_ptr<float>(), m, k, x.stride(0), xb.data());
+  const float* xf = x.data_ptr<float>();
+  const int64_t ld = x.stride(0);
+  at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) { to_bf16(xf + r0 * ld, r1 - r0, k, ld, xb.data() + r0 * k); });
   Problem B{reinterpret_cast<const uint32_t*>(xb.data()), reinterpret_cast<const uint16_t*>(w.data_ptr()),
             bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, k / 2, n, panels};
+  // work items: (group of 3 panels, chunk of kChunkRows rows), a group's chunks adjacent so that a thread's run of
+  // items reuses the group's panels from its cache; a decode step (m <= kChunkRows) splits over groups only
   const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t p0 = g * kTilePanels, np = std::min<int64_t>(kTilePanels, panels - p0);
-      if (np == 3) rows_of<3>(B, p0);
-      else if (np == 2) rows_of<2>(B, p0);
-      else rows_of<1>(B, p0);
+  const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
+  at::parallel_for(0, groups * chunks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t p0 = (i / chunks) * kTilePanels, np = std::min<int64_t>(kTilePanels, panels - p0);
+      const int64_t r0 = (i % chunks) * kChunkRows, r1 = std::min<int64_t>(m, r0 + kChunkRows);
+      if (np == 3) rows_of<3>(B, p0, r0, r1);
+      else if (np == 2) rows_of<2>(B, p0, r0, r1);
+      else rows_of<1>(B, p0, r0, r1);
     }
   });
 #endif

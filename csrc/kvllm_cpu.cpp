@@ -714,6 +714,8 @@ inline void pv_bh(const Rows<Bf16>& R, int64_t r0, int64_t jmax, int64_t c, cons
     for (int x = 0; x < 2 * DH; ++x) _mm512_storeu_ps(R.o + (r0 + r) * R.d + c + 16 * x, acc[r][x]);
 }
 
+static_assert(kChunk == 32, "pv_rows_bh packs a row's probabilities into one 64-byte vector");
+
 template <int MB>
 inline void pv_rows_bh(const Rows<Bf16>& R, int64_t r0, int64_t jmax) {
   alignas(64) uint32_t pb[MB][kChunk / 2];

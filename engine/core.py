@@ -372,8 +372,8 @@ class EngineCore:
         attn = type(self.attn).__name__
         if attn == "CpuPagedBackend":
             level = min(self.attn.max_isa, cpu_ext.load().attention_isa_level())
-            if level == 3 and self.kv_format.name != "bfloat16":  # the bf16 dot products read bfloat16 pages only
-                level = 2
+            if level == 3 and (self.kv_format.name != "bfloat16" or self.model_config.head_dim % 32):
+                level = 2  # the bf16 dot products read bfloat16 pages of head_dim % 32 == 0 only
             attn += f" ({('portable', 'AVX2', 'AVX-512', 'AVX512-BF16 dot products')[level]} kernel)"
         return (f"Compute: {str(self.dtype).removeprefix('torch.')}{why}; linear layers: "
                 + ", ".join(f"{n} x{k}" for n, k in linears.most_common())

@@ -98,6 +98,18 @@ def test_threads_do_not_change_the_result():
 
 
 @needs_kernel
+def test_prefill_sized_calls_split_into_row_chunks():
+    """More rows than one work item holds (256): the chunks cover every row once, a partial last chunk included."""
+    g = torch.Generator().manual_seed(10)
+    lin = nn.Linear(96, 40)
+    layer = Bf16PanelLinear(lin)
+    x = torch.randn(600, 96, generator=g)
+    err = (layer(x).double() - reference(x, lin.weight, lin.bias)).abs()
+    assert (err <= bound(x, lin.weight, lin.bias)).all()
+    assert torch.equal(layer(x)[300:], layer(x[300:]))
+
+
+@needs_kernel
 def test_the_check_catches_a_wrong_packing():
     """The reference check is not vacuous: panels whose column pairs are swapped (a transposed pair layout) or
     whose channels are shifted by one are far outside the bound."""

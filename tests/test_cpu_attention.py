@@ -227,7 +227,7 @@ def test_bf16_dot_products_within_the_rounding_of_the_probabilities(bs, hq, hkv,
     err = max_err(out, cache, meta, q, scale)
     assert err <= bound
     assert not torch.equal(out, run(kernel(2), meta, q, None, None, cache, scale))  # the bf16 path ran
-    # the check is not vacuous: the output left in the kernel's accumulation order is far off
+    # the check is not vacuous: the output with its columns permuted as the kernel accumulates them is far off
     wrong = out[..., torch.tensor(permuted_columns(d))]
     assert max_err(wrong, cache, meta, q, scale) > 20 * bound
 

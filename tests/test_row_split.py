@@ -151,9 +151,9 @@ def test_which_configurations_split(monkeypatch):
 
 
 def test_smollm2_at_auto_splits_and_serves():
-    """The default engine on a CPU with fast bf16: float32 compute, bfloat16 pages, the startup line says so; a
-    greedy batch of a short and a long prompt runs both sides (a prefill of > 4 tokens, decodes of 2) and its first
-    tokens equal the float32 model's (the few-row side is that model's kernels)."""
+    """The default engine on a CPU with AVX512-BF16: float32 compute, bfloat16 pages, the startup line says so; a
+    greedy batch of a short and a long prompt runs both sides (a prefill of > 4 tokens on the panels, decodes of 2
+    on the blocks) to its length, the allocator's invariants holding after."""
     from engine import Engine, SamplingParams
     from engine.config import cpu_has_fast_bf16
 

@@ -119,9 +119,10 @@ class FusedLayerOps(CpuLayerOps):
         many = self._weights_many is not None and h.shape[0] > self.many_rows_above
         rows, out = self._no_capture
         if meta.capture is not None:  # a compression scorer's queries (engine/attention/base.py QueryCapture)
-            rows = meta.capture.rows
+            rows = meta.capture.rows.long()
             out = meta.capture.out = h.new_empty(len(kv_caches), rows.numel(), hq, d)
-        return self._ops.decoder_layers(h.contiguous(), self._weights_many if many else self._weights, kv_caches, cos.contiguous(), sin.contiguous(),
+        weights = self._weights_many if many else self._weights
+        return self._ops.decoder_layers(h.contiguous(), weights, kv_caches, cos.contiguous(), sin.contiguous(),
                                         meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
                                         meta.slot_mapping, hq, hkv, d, inter, float(scale), float(eps),
                                         self._linears[0].max_isa, self.max_isa, attn.max_isa, attn.force_portable,

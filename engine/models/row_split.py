@@ -1,6 +1,7 @@
 """A float32 model split by row count: `split_rows(model)` gives each linear layer a copy of its weight in bfloat16
 panels (engine/models/bf16_panels.py, AVX512-BF16 dot products) that runs its calls of more than `rows` rows
-(engine/models/packed.py split_forward); calls of fewer rows stay on the GGUF file's blocks. Activations, norms,
+(engine/models/packed.py split_forward); calls of at most `rows` rows stay on the layer's own float32 kernel (the
+GGUF file's blocks for a .gguf model). Activations, norms,
 RoPE and attention stay float32 on either side (the panels take float32 rows and return float32), so the fused C++
 decoder stack (engine/models/fused_layers.py, csrc/decoder_layers.cpp) runs every forward, picking the weights by
 the forward's token count. EngineCore applies it for `dtype='auto'` to a model loaded from a .gguf file on a CPU
