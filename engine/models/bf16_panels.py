@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.attention import cpu_ext
+from engine.models.packed import rows_through
 
 PANEL = 16
 
@@ -59,13 +60,8 @@ class Bf16PanelLinear(nn.Module):
         return self.w_panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32 or x2.stride(-1) != 1:
-            x2 = x2.float().contiguous()
-        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        self._ops.bf16_linear(x2, self.w_panels, self.bias, out)
-        return out.view(*shape[:-1], self.out_features)
+        return rows_through(x, self.in_features, self.out_features,
+                            lambda x2, out: self._ops.bf16_linear(x2, self.w_panels, self.bias, out))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
