@@ -203,7 +203,7 @@ def vllm_bytes_per_token(model_dir: Path, dtype: str, kv_cache_dtype: str = "aut
     for its fp8 formats (no scales: vLLM's CPU fp8 pages use one scale per layer)."""
     c = json.loads((Path(model_dir) / "config.json").read_text())
     d = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    elem = 1 if kv_cache_dtype.startswith("fp8") else (4 if dtype == "float32" else 2)
+    elem = 1 if kv_cache_dtype.startswith("fp8") else (4 if dtype == "float32" else 2)  # auto: bfloat16 here
     return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * d * elem
 
 
@@ -216,8 +216,9 @@ def kvllm_block_bytes(model_dir: Path, block_size: int, dtype: str, kv_cache_dty
 
     c = json.loads((Path(model_dir) / "config.json").read_text())
     d = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    model_dtype = torch.bfloat16 if dtype == "auto" else getattr(torch, dtype)  # only float KV rows use it
     return bytes_per_block(c["num_hidden_layers"], block_size, c["num_key_value_heads"], d,
-                           kv_format(kv_cache_dtype, getattr(torch, dtype)))
+                           kv_format(kv_cache_dtype, model_dtype))
 
 
 def main() -> None:
@@ -248,9 +249,10 @@ def main() -> None:
                     help="what kvllm loads: gguf = its default model 'smollm2', the .gguf the directory is dequantized "
                          "from (float32 on a CPU with AVX2 keeps the file's blocks, engine/models/gguf_linear.py; "
                          "vLLM 0.32 loads no .gguf), dir = the directory vLLM loads")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                     help="both engines' --dtype; bfloat16 is what both pick by default on a CPU with AVX512-BF16 or "
-                         "AMX, and its table goes to its own section")
+                         "AMX; auto: each engine's own default (kvllm's split of a .gguf's GEMMs by row count, "
+                         "vLLM's bfloat16 there); each dtype's table goes to its own section")
     args = ap.parse_args()
     args.thread_counts = [int(t) for t in args.threads.split(",")]
     args.memory_thread_counts = [int(t) for t in (args.memory_threads or args.threads).split(",")]

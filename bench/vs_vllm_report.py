@@ -166,7 +166,8 @@ def startup_table(data: dict) -> str:
 
 def render(data: dict, sizes: dict, args) -> str:
     quick = int(args.quick)
-    parts = [f"kvllm {_commit()} vs {data['versions']}; CPU: {_lscpu()}. SmolLM2-135M-Instruct, {args.dtype} on both "
+    parts = [f"kvllm {_commit()} vs {data['versions']}; CPU: {_lscpu()}. SmolLM2-135M-Instruct, "
+             + ("each engine's --dtype auto " if args.dtype == "auto" else f"{args.dtype} on both ")
              + ("(vLLM loads the GGUF dequantized into a float32 Hugging Face directory; kvllm loads the GGUF itself "
                 "and keeps its Q4_1/Q8_0 blocks, dequantized inside its GEMM to the same float32 values "
                 "(engine/models/gguf_linear.py; vLLM 0.32 loads no .gguf)" if args.kvllm_model == "smollm2" else
