@@ -58,7 +58,7 @@ def int8_channels(x: torch.Tensor) -> torch.Tensor:
 def fp8_rows(x: torch.Tensor, dtype: torch.dtype, qmax: float) -> torch.Tensor:
     s = x.abs().amax(-1, keepdim=True) / qmax
     s = torch.where(s > 0, s, torch.ones_like(s))
-    return (x / s).to(dtype).float() * s
+    return (x / s).clamp(-qmax, qmax).to(dtype).float() * s
 
 
 def schemes(d: int) -> dict[str, tuple]:

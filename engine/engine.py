@@ -203,6 +203,35 @@ class Engine:
         self._dead = err
         self._wakeup.set()
 
+    @classmethod
+    def on_loop_thread(cls, model: str = "smollm2", **kwargs: Any) -> "Engine":
+        """Build the engine on the thread that then runs its step loop, and return it once built (its loop already
+        started; a construction error is raised here). Why: GNU OpenMP keeps one worker pool per thread that opens
+        parallel regions, so an engine built (model load, weight packing) on one thread and stepped on another
+        leaves two pools; with more pool threads than cores libgomp shortens its spin before sleeping, every
+        parallel region of a step then wakes its worker through the kernel, and small decode steps ran
+        slower (docs/benchmarks.md, "Engine loop thread"). `kvllm serve` builds its engine this way."""
+        built: dict[str, Any] = {}
+        ready = threading.Event()
+
+        def run() -> None:
+            try:
+                engine = cls(model, **kwargs)
+            except BaseException as err:  # raised in the caller
+                built["error"] = err
+                ready.set()
+                return
+            engine._thread = threading.current_thread()
+            built["engine"] = engine
+            ready.set()
+            engine._loop()
+
+        threading.Thread(target=run, name="kvllm-engine", daemon=True).start()
+        ready.wait()
+        if "error" in built:
+            raise built["error"]
+        return built["engine"]
+
     def start(self) -> None:
         """Run the step loop in a background thread (idempotent)."""
         if self._thread is None:

@@ -97,9 +97,9 @@ def _child_main(conn, model: str, kwargs: dict, threads: int | None, log_level: 
                         datefmt="%m-%d %H:%M:%S")
     # the thread count only: this module's imports loaded torch, so the wait policy is the environment the parent
     # set before its own torch import (server/cli.py), which a spawned child inherits
-    configure_threads(threads, spin_count=None)  # the HTTP process shares these cores (server/cli.py)
-    try:
-        engine = Engine(model=model, **kwargs)
+    configure_threads(threads)
+    try:  # built on the thread that steps it: one OpenMP pool (Engine.on_loop_thread)
+        engine = Engine.on_loop_thread(model=model, **kwargs)
     except BaseException as err:  # the parent raises it (a bad setting is a ValueError there too)
         conn.send([("failed", _picklable(err))])
         conn.close()
@@ -114,7 +114,6 @@ def _child_main(conn, model: str, kwargs: dict, threads: int | None, log_level: 
     conn.send([("ready", info)])
     sender = threading.Thread(target=_send_loop, args=(conn, outq), name="kvllm-engine-send", daemon=True)
     sender.start()
-    engine.start()
     watch = threading.Thread(target=_watch_health, args=(engine, outq), name="kvllm-engine-health", daemon=True)
     watch.start()
     pending: dict[int, Request] = {}

@@ -15,9 +15,10 @@ waits for the next one decides what a second thread is worth:
 - PASSIVE with GOMP_SPINCOUNT=DEFAULT_SPIN_COUNT (the default here) spins long enough to catch the next region of
   the same step, then sleeps (with more OpenMP threads than cores libgomp uses its shorter throttled spin
   instead). Beside a busy process it costs what passive waiting saves (docs/results/cpu_kernels.md, "Threads:
-  OpenMP spin before sleep"), so it suits a process that is only the engine; `kvllm serve` passes
-  spin_count=None (server/cli.py), its HTTP loop and clients being the busy neighbours. `export GOMP_SPINCOUNT=0`
-  restores pure passive waiting anywhere.
+  OpenMP spin before sleep"). `kvllm serve` keeps it too: served with vLLM's client it ran ahead of passive waiting
+  once the engine was built on the thread that steps it (libgomp keeps a pool per thread that opens parallel regions,
+  and two pools on two cores meant the throttled spin: Engine.on_loop_thread, docs/benchmarks.md, "Engine loop
+  thread"). `export GOMP_SPINCOUNT=0` restores pure passive waiting anywhere.
 
 libgomp reads OMP_WAIT_POLICY / GOMP_SPINCOUNT only when it is loaded, i.e. at `import torch`: set later they do
 nothing (checked with torch 2.13: the policy of a running process cannot be changed). So configure_threads()

@@ -162,7 +162,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.engine_process:  # the child logs its own capacity lines
             engine = ProcessEngine(model=model, threads=args.threads or None, **engine_kwargs)
         else:
-            engine = Engine(model=model, **engine_kwargs)
+            engine = Engine.on_loop_thread(model=model, **engine_kwargs)  # one OpenMP pool: Engine.on_loop_thread
     except ValueError as err:
         logger.error("%s", err)
         return 2
@@ -223,11 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _early_threads(argv: list[str]) -> None:
-    """`kvllm serve` uses every core by default with a passive OpenMP wait policy, which only takes effect if set
-    before torch is imported (engine/threads.py): so --threads is read here, before the parser pulls torch in.
-    No spin before sleeping, unlike a process that is only the engine: the HTTP loop and the clients want the same
-    cores, and a spinning worker then holds one (2-thread serving ran slower with 1500 spins:
-    docs/results/cpu_kernels.md, "Threads: OpenMP spin before sleep")."""
+    """`kvllm serve` uses every core by default with a passive OpenMP wait policy and a short spin before sleeping,
+    which only take effect if set before torch is imported (engine/threads.py): so --threads is read here, before
+    the parser pulls torch in. The spin pays with the engine built on its loop thread (one OpenMP pool,
+    Engine.on_loop_thread): served with vLLM's client, 1500 spins then ran ahead of pure passive waiting
+    (docs/benchmarks.md, "Engine loop thread"); `export GOMP_SPINCOUNT=0` restores passive waiting."""
     if not argv or argv[0] != "serve":
         return
     n = None
@@ -236,7 +236,7 @@ def _early_threads(argv: list[str]) -> None:
                                                                          i + 1 < len(argv) else None)
         if value is not None and value.isdigit():
             n = int(value)
-    configure_threads(n or None, spin_count=None)
+    configure_threads(n or None)
 
 
 def main(argv: list[str] | None = None) -> int:

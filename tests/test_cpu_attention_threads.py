@@ -107,15 +107,16 @@ def test_bad_arguments():
             configure_threads(1, spin_count=bad)
 
 
-def test_kvllm_serve_sleeps_at_once_and_an_export_still_wins():
-    """The server's HTTP loop and clients share the engine's cores, so `kvllm serve` adds no spin (server/cli.py)."""
+def test_kvllm_serve_spins_before_sleeping_and_an_export_still_wins():
+    """`kvllm serve` builds its engine on the thread that steps it (one OpenMP pool), so it keeps the engine's short
+    spin before sleeping (server/cli.py); an exported GOMP_SPINCOUNT still wins."""
     code = ("import json, os, sys; from server.cli import _early_threads; assert 'torch' not in sys.modules; "
             "_early_threads(['serve', 'm', '--threads', '1']); import torch; torch.ones(64).sum(); "
             "print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), "
             "torch.get_num_threads()]))")
     err = []
-    assert run_py(code, stderr=err, OMP_DISPLAY_ENV="VERBOSE") == ["PASSIVE", None, 1]
-    assert libgomp_spin(err[0]) == "0"
+    assert run_py(code, stderr=err, OMP_DISPLAY_ENV="VERBOSE") == ["PASSIVE", "1500", 1]
+    assert libgomp_spin(err[0]) == "1500"
     err = []
     assert run_py(code, stderr=err, OMP_DISPLAY_ENV="VERBOSE", GOMP_SPINCOUNT="700") == [None, "700", 1]
     assert libgomp_spin(err[0]) == "700"

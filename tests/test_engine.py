@@ -227,3 +227,47 @@ def test_prompt_filling_the_pool_runs_and_does_not_block_a_small_request(make_en
     assert eng.max_model_len == 40
     outs = eng.generate([list(range(4, 42)), PROMPTS[1]], [greedy(2), greedy(3)], use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 3]
+
+
+def test_on_loop_thread_builds_and_steps_the_engine_on_one_thread(make_engine, tiny_llama_dir, monkeypatch):
+    import threading
+
+    from engine import engine as engine_mod
+    from engine.engine import Engine
+
+    built_on = []
+    plain_init = engine_mod.EngineCore.__init__
+
+    def recording_init(self, *a, **kw):
+        built_on.append(threading.current_thread())
+        plain_init(self, *a, **kw)
+
+    monkeypatch.setattr(engine_mod.EngineCore, "__init__", recording_init)
+    ref = make_engine().generate(PROMPTS[:3], greedy(12), use_tqdm=False)
+    eng = Engine.on_loop_thread(model=str(tiny_llama_dir), dtype="float32", device="cpu", block_size=4,
+                                num_kv_blocks=256)
+    try:
+        stepped_on = set()
+        step = eng.core.step
+
+        def recording_step():
+            stepped_on.add(threading.current_thread())
+            out = step()
+            eng.core.check_invariants()
+            return out
+
+        eng.core.step = recording_step
+        outs = eng.generate(PROMPTS[:3], greedy(12), use_tqdm=False)
+    finally:
+        eng.shutdown()
+    eng.check_invariants()
+    assert eng.stats().num_free_blocks == eng.stats().num_blocks
+    assert built_on[1] is not threading.current_thread() and stepped_on == {built_on[1]}
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_on_loop_thread_raises_a_construction_error_in_the_caller(tiny_llama_dir):
+    from engine.engine import Engine
+
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Engine.on_loop_thread(model=str(tiny_llama_dir), device="cpu", max_num_seqs=0)
