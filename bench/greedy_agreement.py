@@ -88,7 +88,7 @@ def main() -> None:
             runs[name] = {k: continuations(engine, v, args.max_tokens) for k, v in sets.items()}
         finally:
             engine.shutdown()
-            engine.check_invariants()
+        engine.check_invariants()
         print(f"[{time.perf_counter() - t0:5.0f} s] {name}", file=sys.stderr, flush=True)
     ref_name = args.kv_cache_dtype[0]
     lines = [f"| KV pages | prompts | equal for {args.max_tokens} tokens | parted at a near-tie (< {NEAR_TIE} nats) "

@@ -115,8 +115,9 @@ def main() -> None:
     modeling_llama.eager_attention_forward = rounded
     try:
         with torch.no_grad():
-            ids = model.generate(prompts, max_new_tokens=args.max_tokens, do_sample=False,
-                                 attention_mask=torch.ones_like(prompts))
+            # min_new_tokens: every row runs its full length (no EOS, no padding scored)
+            ids = model.generate(prompts, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
+                                 do_sample=False, attention_mask=torch.ones_like(prompts))
         ref = next_token_logprobs(ids)
         lines = ["| K / V rows | mean KL (nats) | p99 KL | top token kept | KL / bfloat16's |",
                  "|---|---:|---:|---:|---:|"]
@@ -126,7 +127,7 @@ def main() -> None:
             lp = next_token_logprobs(ids)
             kl = (ref.exp() * (ref - lp)).sum(-1).flatten()
             kept = (lp.argmax(-1) == ref.argmax(-1)).float().mean().item()
-            base = base or kl.mean().item()
+            base = base or max(kl.mean().item(), 1e-30)
             lines.append(f"| {name} | {kl.mean():.2e} | {kl.quantile(0.99):.2e} | {100 * kept:.2f}% | "
                          f"{kl.mean().item() / base:.1f}x |")
             print(lines[-1], file=sys.stderr, flush=True)

@@ -305,7 +305,7 @@ def main() -> None:
     results.mkdir(parents=True, exist_ok=True)
     for row in data.get("serving", []):
         if row["client"] == "vllm" and row["server"] == "kvllm":  # issue 25: vLLM's client against kvllm
-            suffix = "" if args.dtype == "float32" else "_bf16"
+            suffix = {"float32": "", "bfloat16": "_bf16"}.get(args.dtype, f"_{args.dtype}")
             dst = results / f"vllm_bench_serve_vs_kvllm_t{row['threads']}{suffix}.json"
             dst.write_text(Path(row["result_path"]).read_text())
     write_section(section(args.dtype), "python -m bench.vs_vllm " + " ".join(sys.argv[1:]), body)

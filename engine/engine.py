@@ -212,7 +212,7 @@ class Engine:
         parallel region of a step then wakes its worker through the kernel, and small decode steps ran
         slower (docs/benchmarks.md, "Engine loop thread"). `kvllm serve` builds its engine this way."""
         built: dict[str, Any] = {}
-        ready = threading.Event()
+        ready, cancelled = threading.Event(), threading.Event()
 
         def run() -> None:
             try:
@@ -224,10 +224,18 @@ class Engine:
             engine._thread = threading.current_thread()
             built["engine"] = engine
             ready.set()
+            if cancelled.is_set():  # the caller gave up (e.g. Ctrl-C) while it loaded: stop what it started
+                engine._thread = None
+                engine.shutdown()
+                return
             engine._loop()
 
         threading.Thread(target=run, name="kvllm-engine", daemon=True).start()
-        ready.wait()
+        try:
+            ready.wait()
+        except BaseException:
+            cancelled.set()
+            raise
         if "error" in built:
             raise built["error"]
         return built["engine"]
