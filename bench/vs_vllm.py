@@ -16,7 +16,7 @@ SmolLM2-135M-Instruct dequantized from its GGUF to a float32 Hugging Face direct
 float32 (`--dtype bfloat16`: both cast it to bfloat16 on load, each engine's default on CPUs with AVX512-BF16). Threads:
 vLLM's OpenMP threads are bound to cores 0..N-1 (VLLM_CPU_OMP_THREADS_BIND) and wait as libgomp does by default
 (~300k spins, then sleep); kvllm runs N torch threads (`--threads`) that sleep after 1500 spins offline and
-at once in its server (engine/threads.py, server/cli.py). Both engines' other threads (vLLM's API-server and
+also in its server (engine/threads.py, server/cli.py). Both engines' other threads (vLLM's API-server and
 engine-core processes, kvllm's HTTP loop) are not pinned. `--quick` shrinks every size to check the pipeline end to end (it writes to build/, not the docs).
 """
 from __future__ import annotations
