@@ -21,9 +21,9 @@ from pathlib import Path
 
 from bench.common import cpu_name, write_section
 from bench.vllm_env import ROOT, ensure_model_dir, ensure_venv, vllm_version
-from bench.vs_vllm_cells import ENDPOINTS, cell_named, select
-from bench.vs_vllm_matrix import THREADS, cell_workload, server_for, write_prompts
-from bench.vs_vllm_serving import Workload, run_client
+from bench.vs_vllm_cells import cell_named, select
+from bench.vs_vllm_matrix import THREADS, cell_workload, serve_cells, server_for
+from bench.vs_vllm_serving import run_client
 
 CELLS = ["cmpl-short-inf-c1", "chat-mid-p2-c1", "cmpl-short-p6-c8", "chat-short-inf-c8", "chat-mid-p6-c32",
          "chat-short-inf-c64"]
@@ -36,27 +36,20 @@ def run(args, tok, out: Path) -> dict:
     for label, flags in SETTINGS.items():
         tag = label.split()[0]
         server = server_for("kvllm", "defaults", args, out / f"server_{tag}.log", flags)
-        n, ilen, olen = (4, 32, 8) if args.quick else (16, 256, 16)
-        warm = Workload(write_prompts(tok, out / "prompts_warmup.jsonl", n, ilen, seed=1), n, olen, n,
-                        num_warmups=0, test_request=False, endpoint=ENDPOINTS["chat"])
-        try:
-            server.start()
-            run_client("vllm", server, warm, args.model_dir, out / f"warmup_{tag}.json", out / f"warmup_{tag}.log")
-            for name in args.cell_names:
-                res = out / f"{tag}_{name}.json"
-                try:
-                    r = run_client("vllm", server, cell_workload(cell_named(name), args, tok, out), args.model_dir,
-                                   res, out / f"{res.stem}.log")
-                    data["rows"].append({"setting": label, "cell": name, "tok_s": r["output_throughput"],
-                                         "tpot_ms": r["median_tpot_ms"], "ttft_ms": r["median_ttft_ms"],
-                                         "failed": r["failed"]})
-                    print(f"  {label} {name}: {r['output_throughput']:.1f} tok/s", flush=True)
-                except RuntimeError as err:
-                    data["errors"].append(f"{label} {name}: {err}")
-        except RuntimeError as err:
-            data["errors"].append(f"{label}: {err}")
-        finally:
-            server.stop()
+
+        def one(name: str, label=label, tag=tag, server=server) -> None:
+            res = out / f"{tag}_{name}.json"
+            try:
+                r = run_client("vllm", server, cell_workload(cell_named(name), args, tok, out), args.model_dir, res,
+                               out / f"{res.stem}.log")
+            except RuntimeError as err:  # recorded; the next cell runs
+                data["errors"].append(f"{label} {name}: {err}")
+                return
+            data["rows"].append({"setting": label, "cell": name, "tok_s": r["output_throughput"],
+                                 "tpot_ms": r["median_tpot_ms"], "ttft_ms": r["median_ttft_ms"], "failed": r["failed"]})
+            print(f"  {label} {name}: {r['output_throughput']:.1f} tok/s", flush=True)
+
+        serve_cells(server, tag, args.cell_names, args, tok, out, data["errors"], one)
     return data
 
 

@@ -77,23 +77,36 @@ def cell_workload(cell, args, tok, out: Path) -> Workload:
 def run_launch(engine: str, config: str, names: list[str], args, tok, out: Path, data: dict) -> None:
     """One server launch: warm it, then its cells in order. A cell that fails is recorded and the next one runs."""
     server = server_for(engine, config, args, out / f"server_{config}_{engine}.log")
+
+    def started() -> None:
+        data["launches"].append({"config": config, "server": engine, "startup_s": server.startup_s,
+                                 "idle_cores": server.idle_cores, "command": launch_line(server)})
+        print(f"matrix: {config} {engine} up in {server.startup_s:.0f} s", flush=True)
+
+    serve_cells(server, f"{config}_{engine}", names, args, tok, out, data["errors"],
+                lambda name: data["rows"].append(run_cell(server, config, cell_named(name), args, tok, out, data)),
+                started)
+
+
+def serve_cells(server, tag: str, names: list[str], args, tok, out: Path, errors: list[str], run_one,
+                started=None) -> None:
+    """Start `server`, warm it with a chat burst, then `run_one(name)` for each cell name; the server stops however
+    this ends (it runs in its own process group). A launch that fails is recorded in `errors` with `tag`."""
     n, ilen, olen = (4, 32, 8) if args.quick else WARMUP
     warm = Workload(write_prompts(tok, out / "prompts_warmup.jsonl", n, ilen, seed=1), n, olen, n, num_warmups=0,
                     test_request=False, endpoint=ENDPOINTS["chat"])
-    try:  # the server stops however this ends (it runs in its own process group)
+    try:
         try:
             server.start()
-            data["launches"].append({"config": config, "server": engine, "startup_s": server.startup_s,
-                                     "idle_cores": server.idle_cores, "command": launch_line(server)})
-            print(f"matrix: {config} {engine} up in {server.startup_s:.0f} s", flush=True)
-            run_client("vllm", server, warm, args.model_dir, out / f"warmup_{config}_{engine}.json",
-                       out / f"warmup_{config}_{engine}.log")
+            if started is not None:
+                started()
+            run_client("vllm", server, warm, args.model_dir, out / f"warmup_{tag}.json", out / f"warmup_{tag}.log")
         except RuntimeError as err:  # recorded; the next launch runs
-            data["errors"].append(f"{config} {engine}: {err}")
-            print(f"matrix: {config} {engine} failed: {err}", flush=True)
+            errors.append(f"{tag}: {err}")
+            print(f"{tag} failed: {err}", flush=True)
             return
         for name in names:
-            data["rows"].append(run_cell(server, config, cell_named(name), args, tok, out, data))
+            run_one(name)
     finally:
         server.stop()
 

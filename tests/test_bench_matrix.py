@@ -129,3 +129,36 @@ def test_headline_marks_each_cell_against_its_target():
     assert floor[5:] == ["1.07x", "1.17x", "<= 1.2x", "meets"]
     text = render(data)
     assert text.index("**Headline**") < text.index("**defaults**") < text.index("**memory**")
+
+
+class _FakeServer:
+    name = "kvllm"
+
+    def __init__(self, fail_start: bool = False) -> None:
+        self.fail_start, self.events = fail_start, []
+
+    def start(self) -> None:
+        self.events.append("start")
+        if self.fail_start:
+            raise RuntimeError("no port")
+
+    def stop(self) -> None:
+        self.events.append("stop")
+
+
+def test_serve_cells_warms_runs_each_cell_and_always_stops(tmp_path, monkeypatch):
+    """The launch loop bench/vs_vllm_matrix.py and bench/row_split.py share: warm-up, then every cell in order; a
+    launch that fails to start is recorded with its tag, runs no cell, and the server is stopped either way."""
+    calls = []
+    monkeypatch.setattr(vs_vllm_matrix, "run_client", lambda client, server, w, model_dir, res, log: calls.append(
+        res.name))
+    monkeypatch.setattr(vs_vllm_matrix, "write_prompts", lambda tok, path, n, length, seed: path)
+    ran, errors = [], []
+    ok = _FakeServer()
+    vs_vllm_matrix.serve_cells(ok, "defaults_kvllm", ["a", "b"], _args(), None, tmp_path, errors,
+                               ran.append, started=lambda: ok.events.append("started"))
+    assert ok.events == ["start", "started", "stop"] and ran == ["a", "b"] and errors == []
+    assert calls == ["warmup_defaults_kvllm.json"]
+    bad = _FakeServer(fail_start=True)
+    vs_vllm_matrix.serve_cells(bad, "explicit_vllm", ["a"], _args(), None, tmp_path, errors, ran.append)
+    assert bad.events == ["start", "stop"] and ran == ["a", "b"] and errors == ["explicit_vllm: no port"]
