@@ -367,8 +367,12 @@ class EngineCore:
                    f"rows on the file's blocks, of more rows on bfloat16 panels; KV pages {self.kv_format.name})")
         elif c.dtype == "auto" and self.device.type == "cpu":
             why = " (auto: this CPU has AVX512-BF16/AMX)" if cpu_has_fast_bf16() else " (auto: no fast bf16 here)"
-        linears = Counter(type(m).__name__ for m in self.model.modules()
-                          if hasattr(m, "in_features") and hasattr(m, "out_features"))
+        # a row split's bf16 copies are submodules of the layers they serve: named beside them, not counted as layers
+        copies = {id(m.many_rows): type(m.many_rows).__name__ for m in self.model.modules()
+                  if getattr(m, "many_rows", None) is not None}
+        linears = Counter(type(m).__name__ + (f" (+ a {copies[id(m.many_rows)]} copy)" if getattr(
+            m, "many_rows", None) is not None else "") for m in self.model.modules()
+            if id(m) not in copies and hasattr(m, "in_features") and hasattr(m, "out_features"))
         attn = type(self.attn).__name__
         if attn == "CpuPagedBackend":
             level = min(self.attn.max_isa, cpu_ext.load().attention_isa_level())

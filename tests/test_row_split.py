@@ -163,7 +163,11 @@ def test_smollm2_at_auto_splits_and_serves():
     try:
         core = eng.core
         assert core.row_split and core.dtype == torch.float32 and core.kv_format.name == "bfloat16"
-        assert "GEMMs of <= 4 rows" in core.compute_line()
+        line = core.compute_line()
+        assert "GEMMs of <= 4 rows" in line
+        # 30 layers x 4 linears + the LM head, each counted once with its bf16 copy named beside it
+        assert "linear layers: BlockLinear (+ a Bf16PanelLinear copy) x121" in line, line
+        assert "Bf16PanelLinear x" not in line
         assert core.model.layer_ops.name == "fused" and core.model.many_rows_above == 4
         text = open("/usr/share/common-licenses/GPL-3").read()[:600]
         outs = eng.generate(["The capital of France is", text],
