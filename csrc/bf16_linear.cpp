@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -43,6 +44,10 @@ bool cpu_has_avx512_bf16() {
 #endif
 }
 
+// Whether the tiles prefetch the next panel group (rows_of); on unless a benchmark turns it off to measure it
+// (torch.ops.kvllm_cpu.set_bf16_prefetch, bench/panel_prefetch.py).
+std::atomic<bool> g_prefetch{true};
+
 struct Problem {
   const uint32_t* x;  // [M, K/2] bf16 pairs
   const uint16_t* w;  // [P, K/2, 16, 2]
@@ -55,8 +60,9 @@ struct Problem {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16,avx2,fma")
 
+// pf: lines of the next panel group to prefetch, one per k pair (pf_lines of them, 64 bytes apart)
 template <int MR, int NP>
-inline void tile(const Problem& B, int64_t r0, int64_t p0) {
+inline void tile(const Problem& B, int64_t r0, int64_t p0, const char* pf, int64_t pf_lines) {
   __m512 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -64,6 +70,7 @@ inline void tile(const Problem& B, int64_t r0, int64_t p0) {
   for (int j = 0; j < NP; ++j) w[j] = B.w + (p0 + j) * B.k2 * 2 * kPanel;
   const uint32_t* x = B.x + r0 * B.k2;
   for (int64_t kk = 0; kk < B.k2; ++kk) {
+    if (kk < pf_lines) _mm_prefetch(pf + kk * 64, _MM_HINT_T1);
     __m512bh wv[NP];
     for (int j = 0; j < NP; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + kk * 2 * kPanel);
     for (int r = 0; r < MR; ++r) {
@@ -80,19 +87,34 @@ inline void tile(const Problem& B, int64_t r0, int64_t p0) {
   }
 }
 
-// rows [r0, r1) of panels p0 .. p0 + NP
+// rows [r0, r1) of panels p0 .. p0 + NP. While they run, the tiles prefetch the next group's panels (`next`,
+// `next_lines` 64-byte lines) into L2, each tile a slice, at most one line per k pair: the next group then comes
+// from cache rather than DRAM, where hardware prefetch left its first tile waiting (docs/benchmarks.md, "bf16
+// panels: prefetching the next group"). More than one line per k pair, at 8 rows, ran slower than none.
 template <int NP>
-void rows_of(const Problem& B, int64_t p0, int64_t r0, int64_t r1) {
+void rows_of(const Problem& B, int64_t p0, int64_t r0, int64_t r1, const char* next, int64_t next_lines) {
+  const int64_t tiles = (r1 - r0 + kTileRows - 1) / kTileRows;
+  const int64_t slice = next ? (next_lines + tiles - 1) / tiles : 0;
+  auto pf = [&](int64_t r, const char** at) {  // this tile's slice: its start, and how many lines (capped by k2)
+    const int64_t first = (r - r0) / kTileRows * slice;
+    *at = next + first * 64;
+    return std::clamp<int64_t>(std::min(slice, next_lines - first), 0, B.k2);
+  };
+  const char* at = nullptr;
   int64_t r = r0;
-  for (; r + kTileRows <= r1; r += kTileRows) tile<kTileRows, NP>(B, r, p0);
+  for (; r + kTileRows <= r1; r += kTileRows) {
+    const int64_t n = pf(r, &at);
+    tile<kTileRows, NP>(B, r, p0, at, n);
+  }
+  const int64_t n = r < r1 ? pf(r, &at) : 0;
   switch (r1 - r) {
-    case 1: return tile<1, NP>(B, r, p0);
-    case 2: return tile<2, NP>(B, r, p0);
-    case 3: return tile<3, NP>(B, r, p0);
-    case 4: return tile<4, NP>(B, r, p0);
-    case 5: return tile<5, NP>(B, r, p0);
-    case 6: return tile<6, NP>(B, r, p0);
-    case 7: return tile<7, NP>(B, r, p0);
+    case 1: return tile<1, NP>(B, r, p0, at, n);
+    case 2: return tile<2, NP>(B, r, p0, at, n);
+    case 3: return tile<3, NP>(B, r, p0, at, n);
+    case 4: return tile<4, NP>(B, r, p0, at, n);
+    case 5: return tile<5, NP>(B, r, p0, at, n);
+    case 6: return tile<6, NP>(B, r, p0, at, n);
+    case 7: return tile<7, NP>(B, r, p0, at, n);
     default: return;
   }
 }
@@ -146,20 +168,28 @@ void bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<a
   // work items: (group of 3 panels, chunk of kChunkRows rows), a group's chunks adjacent so that a thread's run of
   // items reuses the group's panels from its cache; a decode step (m <= kChunkRows) splits over groups only
   const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
+  const bool prefetch = g_prefetch.load(std::memory_order_relaxed);
   const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
   at::parallel_for(0, groups * chunks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t p0 = (i / chunks) * kTilePanels, np = std::min<int64_t>(kTilePanels, panels - p0);
       const int64_t r0 = (i % chunks) * kChunkRows, r1 = std::min<int64_t>(m, r0 + kChunkRows);
-      if (np == 3) rows_of<3>(B, p0, r0, r1);
-      else if (np == 2) rows_of<2>(B, p0, r0, r1);
-      else rows_of<1>(B, p0, r0, r1);
+      // the last chunk of a group prefetches the next group's panels (contiguous: [P, K/2, 16, 2])
+      const int64_t p1 = p0 + np;
+      const bool last = prefetch && i % chunks == chunks - 1 && p1 < panels;
+      const char* next = last ? reinterpret_cast<const char*>(B.w + p1 * B.k2 * 2 * kPanel) : nullptr;
+      const int64_t next_lines = last ? std::min<int64_t>(kTilePanels, panels - p1) * B.k2 : 0;
+      if (np == 3) rows_of<3>(B, p0, r0, r1, next, next_lines);
+      else if (np == 2) rows_of<2>(B, p0, r0, r1, next, next_lines);
+      else rows_of<1>(B, p0, r0, r1, next, next_lines);
     }
   });
 #endif
 }
 
 bool has_avx512_bf16() { return cpu_has_avx512_bf16(); }
+
+bool set_bf16_prefetch(bool on) { return g_prefetch.exchange(on); }
 
 namespace ops {
 void bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out) {
@@ -170,6 +200,7 @@ void bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<a
 TORCH_LIBRARY_FRAGMENT(kvllm_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor w_panels, Tensor? bias, Tensor(a!) out) -> ()", &bf16_linear);
   m.def("has_avx512_bf16() -> bool", &has_avx512_bf16);
+  m.def("set_bf16_prefetch(bool on) -> bool", &set_bf16_prefetch);
 }
 
 }  // namespace kvllm_cpu

@@ -162,3 +162,14 @@ def test_serve_cells_warms_runs_each_cell_and_always_stops(tmp_path, monkeypatch
     bad = _FakeServer(fail_start=True)
     vs_vllm_matrix.serve_cells(bad, "explicit_vllm", ["a"], _args(), None, tmp_path, errors, ran.append)
     assert bad.events == ["start", "stop"] and ran == ["a", "b"] and errors == ["explicit_vllm: no port"]
+
+
+def test_panel_prefetch_table_names_both_sides_and_the_ratio():
+    from bench.panel_prefetch import render
+
+    data = {"cpu": "CPU X", "threads": 2, "rounds": 3, "layers": 121,
+            "gemm": [{"rows": 32, "on": 0.020, "off": 0.025, "gflops": 300.0}],
+            "decode": [{"batch": 32, "slots": 384, "on": 0.040, "off": 0.044}]}
+    text = render(data)
+    assert "| 32 | 20.00 | 25.00 | 1.25x | 300 |" in text
+    assert "| 32 x 384 | 40.00 | 44.00 | 1.10x |" in text and "CPU X, 2 threads" in text

@@ -110,6 +110,24 @@ def test_prefill_sized_calls_split_into_row_chunks():
 
 
 @needs_kernel
+@pytest.mark.parametrize("m", [1, 8, 9, 33, 300])
+def test_prefetching_the_next_group_leaves_every_output_as_it_was(m):
+    """The tiles prefetch the next panel group (csrc/bf16_linear.cpp rows_of); a prefetch moves no data into the
+    result: outputs equal with it off, over a partial last group (13 panels: groups of 3, 3, 3, 3, 1) and prefill
+    chunks. set_bf16_prefetch returns the previous setting."""
+    g = torch.Generator().manual_seed(m)
+    layer = Bf16PanelLinear(nn.Linear(96, 200))
+    x = torch.randn(m, 96, generator=g)
+    ops = cpu_ext.load()
+    assert ops.set_bf16_prefetch(False) is True
+    try:
+        off = layer(x)
+    finally:
+        assert ops.set_bf16_prefetch(True) is False
+    assert torch.equal(layer(x), off)
+
+
+@needs_kernel
 def test_the_check_catches_a_wrong_packing():
     """The reference check is not vacuous: panels whose column pairs are swapped (a transposed pair layout) or
     whose channels are shifted by one are far outside the bound."""
