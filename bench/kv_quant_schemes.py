@@ -68,13 +68,13 @@ def schemes(d: int) -> dict[str, tuple]:
     bf16 = lambda x: x.bfloat16().float()  # noqa: E731
     return {  # name -> (K round trip, V round trip)
         "bfloat16 K, bfloat16 V": (bf16, bf16),
-        "int8 K, int8 V (kvllm's int8 pages)": (int8_rows, int8_rows),
+        "int8 K, int8 V (one scale per row, K unrotated)": (int8_rows, int8_rows),
         "fp8_e4m3 K, fp8_e4m3 V (kvllm's pages)": (lambda x: fp8_rows(x, torch.float8_e4m3fn, 448.0),
                                                    lambda x: fp8_rows(x, torch.float8_e4m3fn, 448.0)),
         "int8 K only": (int8_rows, same),
         "int8 V only": (same, int8_rows),
         "bfloat16 K, int8 V": (bf16, int8_rows),
-        "int8 K rotated (Hadamard), int8 V": (rot(int8_rows), int8_rows),
+        "int8 K rotated (Hadamard), int8 V (kvllm's int8 pages)": (rot(int8_rows), int8_rows),
         "int8 K asymmetric, int8 V": (int8_rows_asym, int8_rows),
         "int8 K, a scale per 16 values, int8 V": (lambda x: int8_rows(x, 16), int8_rows),
         "int8 K per channel (KIVI), int8 V": (int8_channels, int8_rows),

@@ -794,6 +794,10 @@ void run_item(const Problem& P, const Item& it, Scratch<E>& sc) {
     sc.m[r] = -std::numeric_limits<float>::infinity();
     sc.l[r] = 0.f;
   }
+  if constexpr (std::is_same_v<T, int8_t>) {
+    if (P.scaled && rotates_keys(d))  // the K rows hold H k (paging/kv_format.py): q.k = (H q).(H k)
+      for (int64_t r = 0; r < rows; ++r) fwht(sc.qs.data() + r * d, d);
+  }
   std::fill(sc.o.begin(), sc.o.begin() + rows * d, 0.f);
   const int64_t first = kv_len - q_len + it.i0;  // the first token's last attended slot
   const int64_t end = kv_len - q_len + it.i1;    // one past the last token's last attended slot

@@ -402,32 +402,45 @@ void quantize_row_int8_avx2(const float* x, int64_t d, int8_t* row) {
 #pragma GCC pop_options
 #endif  // KVLLM_X86
 
-template <typename Src, typename Dst>
-void quantize_heads(const at::Tensor& src, Dst* dst, int64_t t, bool scaled) {
-  const Src* s = src.data_ptr<Src>() + t * src.stride(0);
-  const int64_t heads = src.size(1), d = src.size(2), hs = src.stride(1), w = scaled ? d + 4 : d;
-  constexpr float qmax = kQmax<Dst>;
+// One float row to a stored 8-bit row (values, then the scale where `scaled`).
+template <typename Dst>
+void quantize_row(const float* x, int64_t d, Dst* row, bool scaled) {
 #ifdef KVLLM_X86
-  if constexpr (std::is_same_v<Src, float> && std::is_same_v<Dst, int8_t>) {
-    if (scaled && d % 8 == 0 && best_isa() >= 1) {
-      for (int64_t h = 0; h < heads; ++h) quantize_row_int8_avx2(s + h * hs, d, dst + h * w);
-      return;
-    }
+  if constexpr (std::is_same_v<Dst, int8_t>) {
+    if (scaled && d % 8 == 0 && best_isa() >= 1) return quantize_row_int8_avx2(x, d, row);
   }
 #endif
+  constexpr float qmax = kQmax<Dst>;
+  float scale = 1.f;
+  if (scaled) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+    scale = amax / qmax;
+    std::memcpy(row + d, &scale, sizeof(float));
+    if (!(scale > 0.f)) scale = 1.f;
+  }
+  for (int64_t i = 0; i < d; ++i) row[i] = quantize_one<Dst>(std::clamp(x[i] / scale, -qmax, qmax));
+}
+
+// Token t's rows of src [T, heads, d] into dst; `keys`: K rows, rotated first where int8 pages store them so
+// (simd.h rotates_keys).
+template <typename Src, typename Dst>
+void quantize_heads(const at::Tensor& src, Dst* dst, int64_t t, bool scaled, bool keys) {
+  const Src* s = src.data_ptr<Src>() + t * src.stride(0);
+  const int64_t heads = src.size(1), d = src.size(2), hs = src.stride(1), w = scaled ? d + 4 : d;
+  const bool rotate = std::is_same_v<Dst, int8_t> && keys && scaled && rotates_keys(d);
+  thread_local std::vector<float> buf;
   for (int64_t h = 0; h < heads; ++h) {
     const Src* x = s + h * hs;
-    Dst* row = dst + h * w;
-    float scale = 1.f;
-    if (scaled) {
-      float amax = 0.f;
-      for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
-      scale = amax / qmax;
-      std::memcpy(row + d, &scale, sizeof(float));
-      if (!(scale > 0.f)) scale = 1.f;
+    const float* xf = nullptr;
+    if constexpr (std::is_same_v<Src, float>) xf = x;
+    if (rotate || xf == nullptr) {
+      buf.resize(d);
+      for (int64_t i = 0; i < d; ++i) buf[i] = static_cast<float>(x[i]);
+      if (rotate) fwht(buf.data(), d);
+      xf = buf.data();
     }
-    for (int64_t i = 0; i < d; ++i)
-      row[i] = quantize_one<Dst>(std::clamp(static_cast<float>(x[i]) / scale, -qmax, qmax));
+    quantize_row<Dst>(xf, d, dst + h * w, scaled);
   }
 }
 
@@ -441,8 +454,8 @@ void write_kv_typed(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
       const int64_t block = slots[i] / bs, off = slots[i] - block * bs;
       Dst* kdst = base + ((block * 2) * bs + off) * row;  // [block, 0, off]
       if constexpr (sizeof(Dst) == 1) {
-        quantize_heads<Src, Dst>(k, kdst, i, scaled);
-        quantize_heads<Src, Dst>(v, kdst + bs * row, i, scaled);  // [block, 1, off]
+        quantize_heads<Src, Dst>(k, kdst, i, scaled, true);
+        quantize_heads<Src, Dst>(v, kdst + bs * row, i, scaled, false);  // [block, 1, off]
       } else {
         copy_heads<Src, Dst>(k, kdst, i);
         copy_heads<Src, Dst>(v, kdst + bs * row, i);  // [block, 1, off]

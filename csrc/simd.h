@@ -10,6 +10,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -19,6 +20,24 @@
 #endif
 
 namespace kvllm_cpu {
+
+// int8 K rows are stored rotated, H k with H the orthonormal Sylvester-Hadamard matrix, where head_dim is a power of
+// two (paging/kv_format.py): the write op rotates K before quantizing, the attention kernel rotates q alike.
+inline bool rotates_keys(int64_t d) { return d >= 2 && (d & (d - 1)) == 0; }
+
+// x[0, d) <- H x: butterflies (a + b, a - b) over strides 1, 2, 4, ..., then one multiply by float(1 / sqrt(d)),
+// the operations of paging/kv_format.py hadamard, so the C++ and torch writes store the same bytes.
+inline void fwht(float* x, int64_t d) {
+  for (int64_t h = 1; h < d; h *= 2)
+    for (int64_t i = 0; i < d; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+  const float c = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  for (int64_t j = 0; j < d; ++j) x[j] *= c;
+}
 
 inline bool cpu_has_avx2() {
 #ifdef KVLLM_X86

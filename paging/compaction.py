@@ -126,7 +126,7 @@ def compact_batch(kv: torch.Tensor, jobs: Sequence[CompactionJob], check_indices
         K = job.kept.shape[-1]
         if job.new_keys is not None:  # quantized to the pages' format (with their own scales)
             fmt = format_of(kv, job.new_keys.shape[-1])
-            kept_vals[:, :, off:off + K, 0] = fmt.quantize(job.new_keys.to(dev))
+            kept_vals[:, :, off:off + K, 0] = fmt.quantize(job.new_keys.to(dev), keys=True)
             kept_vals[:, :, off:off + K, 1] = fmt.quantize(job.new_values.to(dev))
         off += K
     kv[li, k_db, :, k_do, hi] = kept_vals

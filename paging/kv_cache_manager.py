@@ -323,7 +323,7 @@ class KVCacheManager:
         dev = kv.data.device
         out = kv.data[:, table[slots // bs].to(dev), which, (slots % bs).to(dev)].transpose(1, 2)
         # scorers see the values attention sees: 8-bit rows dequantized with their own scales
-        return kv.format.dequantize(out, self.compute_dtype)
+        return kv.format.dequantize(out, self.compute_dtype, keys=which == 0)
 
     def gather_keys(self, seq: "Sequence", start: int, length: int) -> torch.Tensor:
         """Keys of KV slots [start, start + length), all layers: [L, Hkv, length, D]."""

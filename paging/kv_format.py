@@ -9,13 +9,18 @@ tensor-parallel shards) moves its scale with it, with no second tensor to keep i
 - int8: symmetric, per token and per KV head, scale = max|x| / 127, stored = round(x / scale) (round half to even,
   as torch and the C++ write op both do). Symmetric: K after RoPE and V are centred near zero, and a zero point would
   cost an add per element in the attention kernel for no measured gain at 8 bits (KIVI, arXiv 2402.02750, needs
-  asymmetry at 2 bits, not 8).
+  asymmetry at 2 bits, not 8). K rows (head_dim a power of two) are stored rotated: H k, H the orthonormal
+  Walsh-Hadamard matrix (`hadamard`), so a few outlier channels no longer set the scale of every other value
+  (QuaRot, arXiv 2404.00456); H is symmetric and H H = I, so the attention kernels rotate q alike (q.k = Hq.Hk) and
+  `dequantize(rows, keys=True)` rotates back. Measured: 3.4x less KL to float32 attention than unrotated rows
+  (docs/benchmarks.md, "8-bit K and V rows, scheme by scheme").
 - fp8_e5m2 / fp8_e4m3: the same per-row scale maps max|x| to the format's largest finite value, then the value is
   rounded to the format (nearest even). On CUDA, FlashInfer reads fp8 pages with one scale per tensor, so there the
   rows carry no scale (scale 1, as vLLM does without calibration): `scaled=False`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +34,20 @@ _EIGHT_BIT = {"int8": ("int8", torch.int8), "fp8": ("fp8_e4m3", torch.float8_e4m
               "fp8_e4m3": ("fp8_e4m3", torch.float8_e4m3fn), "fp8_e5m2": ("fp8_e5m2", torch.float8_e5m2)}
 KV_DTYPE_NAMES = (*_FLOAT, *_EIGHT_BIT)
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] (D a power of two) times the orthonormal Sylvester-Hadamard matrix, in float32: butterflies
+    (a + b, a - b) over strides 1, 2, 4, ..., then one multiply by float32(1 / sqrt(D)): the operations of the C++
+    write op (csrc/layer_ops.cpp fwht), so both store the same bytes."""
+    d = x.shape[-1]
+    shape, x = x.shape, x.float()
+    h = 1
+    while h < d:
+        y = x.reshape(-1, d // (2 * h), 2, h)
+        x = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2).reshape(shape)
+        h *= 2
+    return x * torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32)
 
 
 @dataclass(frozen=True)
@@ -48,13 +67,18 @@ class KVFormat:
     def row_bytes(self, head_dim: int) -> int:
         return self.width(head_dim) * torch.empty((), dtype=self.storage).element_size()
 
-    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+    def rotates_keys(self, head_dim: int) -> bool:
+        """Whether K rows are stored rotated (int8 rows with their scales, head_dim a power of two)."""
+        return self.storage == torch.int8 and self.scaled and head_dim >= 2 and head_dim & (head_dim - 1) == 0
+
+    def quantize(self, x: torch.Tensor, keys: bool = False) -> torch.Tensor:
         """Rows [..., D] of any float dtype -> stored rows [..., width(D)] (the torch reference of the C++ write op,
-        csrc/layer_ops.cpp write_kv, which gives the same bytes)."""
+        csrc/layer_ops.cpp write_kv, which gives the same bytes). keys=True: K rows (rotated where
+        `rotates_keys`)."""
         if not self.is_8bit:
             return x.to(self.storage)
         qmax = _QMAX[self.storage]
-        x = x.float()
+        x = hadamard(x) if keys and self.rotates_keys(x.shape[-1]) else x.float()
         if not self.scaled:  # fp8 pages read with scale 1 (FlashInfer): clamp, as a cast of a larger value is NaN
             return x.clamp(-qmax, qmax).to(self.storage)
         scale = x.abs().amax(-1, keepdim=True) / qmax
@@ -81,12 +105,22 @@ class KVFormat:
         except RuntimeError:
             return raw.contiguous().view(torch.float32)
 
-    def dequantize(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def dequantize(self, rows: torch.Tensor, dtype: torch.dtype | None = None, keys: bool = False) -> torch.Tensor:
         """Stored rows [..., width] -> the values attention sees, [..., D], in `dtype` (default: float32 for 8-bit
-        formats, the page dtype otherwise)."""
+        formats, the page dtype otherwise). keys=True: K rows, rotated back where `rotates_keys`."""
         if not self.is_8bit:
             return rows if dtype is None else rows.to(dtype)
         x = self.values(rows) * self.scales(rows) if self.scaled else rows.float()
+        if keys and self.rotates_keys(x.shape[-1]):
+            x = hadamard(x)
+        return x if dtype is None else x.to(dtype)
+
+    def dequantize_kv(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Stored rows [2, ..., width] (K then V) -> values [2, ..., D], K rotated back where `rotates_keys`."""
+        if not (self.is_8bit and self.rotates_keys(rows.shape[-1] - (SCALE_BYTES if self.scaled else 0))):
+            return self.dequantize(rows, dtype)
+        x = self.dequantize(rows)
+        x[0] = hadamard(x[0])
         return x if dtype is None else x.to(dtype)
 
 
@@ -133,4 +167,4 @@ def as_format(x: torch.dtype | KVFormat) -> KVFormat:
     return x if isinstance(x, KVFormat) else kv_format(x, x)
 
 
-__all__ = ["KVFormat", "KV_DTYPE_NAMES", "SCALE_BYTES", "as_format", "format_of", "kv_format"]
+__all__ = ["KVFormat", "KV_DTYPE_NAMES", "SCALE_BYTES", "as_format", "format_of", "hadamard", "kv_format"]

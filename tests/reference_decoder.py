@@ -43,7 +43,9 @@ class ReferenceDecoder:
             k = self._rope(a.k_proj(x).view(1, self.hkv, 1, self.d), pos)[0, :, 0]
             v = a.v_proj(x).view(self.hkv, self.d)
             queries.append(q)
-            if callable(self.kv_dtype):
+            if isinstance(self.kv_dtype, tuple):  # (K round trip, V round trip)
+                k, v = self.kv_dtype[0](k), self.kv_dtype[1](v)
+            elif callable(self.kv_dtype):
                 k, v = self.kv_dtype(k), self.kv_dtype(v)
             elif self.kv_dtype is not None:
                 k, v = k.to(self.kv_dtype).double(), v.to(self.kv_dtype).double()

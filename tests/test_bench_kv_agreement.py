@@ -54,3 +54,18 @@ def test_grouped_and_per_channel_int8_hand_worked():
     seq = torch.tensor([[[[254.0, 127.0], [127.0, -63.5]]]])  # one scale per channel over the two positions: 2, 1
     assert int8_channels(seq).tolist() == [[[[254.0, 127.0], [128.0, -64.0]]]]
     assert math.isclose(int8_rows(torch.tensor([[0.0, 0.0]])).abs().sum().item(), 0.0)
+
+
+def test_the_studys_rotated_row_is_the_engines_int8_keys():
+    """The study's "kvllm's int8 pages" row (K times its Hadamard matrix, rounded, rotated back) is what the engine's
+    int8 K rows give back, up to float rounding: a value at a rounding boundary may land one step apart."""
+    from bench.kv_quant_schemes import schemes
+
+    fmt = kv_format("int8", torch.float32)
+    x = torch.randn(3, 4, 64) * torch.tensor([0.01, 1.0, 30.0, 500.0]).view(1, 4, 1)
+    study_k, study_v = schemes(64)["int8 K rotated (Hadamard), int8 V (kvllm's int8 pages)"]
+    ours = fmt.dequantize(fmt.quantize(x, keys=True), keys=True)
+    step = fmt.scales(fmt.quantize(x, keys=True))  # the rotated rows' scales
+    assert ((ours - study_k(x)).abs() <= 1.01 * step).all()
+    assert (ours - study_k(x)).abs().mean() < 1e-3 * x.abs().mean()
+    assert torch.equal(study_v(x), fmt.dequantize(fmt.quantize(x)))

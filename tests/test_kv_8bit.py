@@ -20,7 +20,7 @@ from engine.attention import cpu_ext
 from engine.attention.torch_paged import TorchPagedBackend
 from paging.compaction import CompactionJob, blocks_to_free, compact_batch
 from paging.kv_cache import bytes_per_block
-from paging.kv_format import SCALE_BYTES, kv_format
+from paging.kv_format import SCALE_BYTES, hadamard, kv_format
 
 if not cpu_ext.is_available():
     if cpu_ext.compiler() is None:
@@ -50,13 +50,36 @@ def plain_scale(row) -> float:
     return struct.unpack("<f", bytes(row.view(torch.uint8)[-SCALE_BYTES:].tolist()))[0]
 
 
+def sylvester(d: int) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix of order d, float64, by Kronecker products of [[1, 1], [1, -1]]."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64), h)
+    return h / math.sqrt(d)
+
+
+def rotated(name: str, d: int) -> bool:
+    """int8 pages store K rows rotated where head_dim is a power of two (paging/kv_format.py)."""
+    return name == "int8" and d & (d - 1) == 0
+
+
 def plain_dequantize(pages: torch.Tensor, d: int) -> torch.Tensor:
-    """Stored rows [..., d + 4] -> float64 values [..., d], one row at a time (the reference's reading)."""
+    """Stored pages [blocks, 2, block_size, Hkv, d + 4] -> float64 values [..., d], one row at a time (the
+    reference's reading); int8 K rows are rotated back by the Hadamard matrix built here."""
     flat = pages.reshape(-1, pages.shape[-1])
     out = torch.empty(flat.shape[0], d, dtype=torch.float64)
     for i, row in enumerate(flat):
         out[i] = row[:d].double() * plain_scale(row)
-    return out.reshape(*pages.shape[:-1], d)
+    out = out.reshape(*pages.shape[:-1], d)
+    if pages.dtype == torch.int8 and rotated("int8", d):
+        out[:, 0] = out[:, 0] @ sylvester(d)  # symmetric: H^T = H
+    return out
+
+
+def quantize_pages(name: str, cache: torch.Tensor) -> torch.Tensor:
+    """Float pages [blocks, 2, ...] -> the format's pages, K rows as the engine writes them."""
+    fmt = fmt_of(name)
+    return torch.stack([fmt.quantize(cache[:, 0], keys=True), fmt.quantize(cache[:, 1])], dim=1)
 
 
 def plain_quantize(name: str):
@@ -72,6 +95,18 @@ def plain_quantize(name: str):
             out[h] = vals.double() * scale
         return out
     return q
+
+
+def plain_quantize_keys(name: str):
+    """plain_quantize for K rows: int8 rotates them by the Hadamard matrix first and back after (float64)."""
+    q = plain_quantize(name)
+
+    def k(x: torch.Tensor) -> torch.Tensor:
+        if not rotated(name, x.shape[-1]):
+            return q(x)
+        h = sylvester(x.shape[-1])
+        return q(x @ h) @ h
+    return k
 
 
 # ---- the formats, by hand ----------------------------------------------------------------------------------------
@@ -119,6 +154,34 @@ def test_round_trip_error_is_within_the_formats_step(name):
     assert err.max() > 0
 
 
+def test_int8_keys_are_stored_rotated_and_read_back():
+    """int8 K rows (head_dim a power of two) hold H k: the stored values are the Hadamard-rotated row's, computed here
+    with a float64 matrix; dequantize(keys=True) rotates back; V rows, fp8 rows and head_dim 12 are not rotated. On
+    rows with an outlier channel, as K after RoPE has, the rotated round trip is far closer to the row."""
+    fmt, e4m3 = fmt_of("int8"), fmt_of("fp8_e4m3")
+    assert fmt.rotates_keys(64) and fmt.rotates_keys(128) and not fmt.rotates_keys(12)
+    assert not e4m3.rotates_keys(64) and not fmt_of("float32").rotates_keys(64)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(200, 64, generator=gen)
+    x[:, 7] *= 60  # one outlier channel
+    h = sylvester(64)
+    assert torch.allclose(hadamard(x).double(), x.double() @ h, atol=1e-4)
+    rows = fmt.quantize(x, keys=True)
+    # float32 butterflies against a float64 product: a value at a rounding boundary may round one step apart
+    diff = (rows[:, :64].int() - fmt.quantize((x.double() @ h).float())[:, :64].int()).abs()
+    assert diff.max() <= 1 and (diff == 0).float().mean() > 0.99
+    back, plain = fmt.dequantize(rows, keys=True), fmt.dequantize(fmt.quantize(x))
+    assert torch.allclose(back.double(), (fmt.dequantize(rows).double() @ h), atol=1e-4)
+    assert torch.equal(fmt.quantize(x[:, :12], keys=True), fmt.quantize(x[:, :12]))
+    assert torch.equal(e4m3.quantize(x, keys=True).view(torch.uint8), e4m3.quantize(x).view(torch.uint8))
+    err_rot, err_plain = (back - x).abs().mean(), (plain - x).abs().mean()
+    assert err_rot * 4 < err_plain
+    # the pair form used by the torch backend and the scorers' reads: K back, V as stored
+    kv = torch.stack([rows, fmt.quantize(x)])
+    both = fmt.dequantize_kv(kv)
+    assert torch.equal(both[0], back) and torch.equal(both[1], plain)
+
+
 @pytest.mark.parametrize("src", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", FORMATS)
 def test_cpp_write_op_writes_the_bytes_of_the_torch_reference(name, src):
@@ -132,7 +195,7 @@ def test_cpp_write_op_writes_the_bytes_of_the_torch_reference(name, src):
     pages = torch.zeros(4, 2, 16, 3, 64 + SCALE_BYTES, dtype=fmt.storage)
     cpu_ext.load().write_kv(k, v, pages, slots)
     blocks, offs = slots // 16, slots % 16
-    assert torch.equal(pages[blocks, 0, offs].view(torch.uint8), fmt.quantize(k).view(torch.uint8))
+    assert torch.equal(pages[blocks, 0, offs].view(torch.uint8), fmt.quantize(k, keys=True).view(torch.uint8))
     assert torch.equal(pages[blocks, 1, offs].view(torch.uint8), fmt.quantize(v).view(torch.uint8))
 
 
@@ -147,23 +210,24 @@ def test_cpp_int8_write_rounds_halves_to_even_and_clamps_as_the_reference(d):
     halves = torch.arange(d, dtype=torch.float32) - d / 2 + 0.5  # ..., -0.5, 0.5, 1.5, 2.5, ...
     halves[0] = 127.0
     k = torch.randn(600, 1, d, generator=gen) * 10.0 ** torch.randint(-3, 3, (600, 1, 1), generator=gen)
-    k[0, 0] = halves
     v = -k
+    v[0, 0] = -halves
+    k[0, 0] = halves
     pages = torch.zeros(40, 2, 16, 1, d + SCALE_BYTES, dtype=torch.int8)
     cpu_ext.load().write_kv(k, v, pages, torch.arange(600))
     flat = pages.view(40, 2, 16, d + SCALE_BYTES)
     stored_k, stored_v = flat[:, 0].reshape(640, -1)[:600], flat[:, 1].reshape(640, -1)[:600]
-    assert torch.equal(stored_k.view(torch.uint8), fmt.quantize(k[:, 0]).view(torch.uint8))
+    assert torch.equal(stored_k.view(torch.uint8), fmt.quantize(k[:, 0], keys=True).view(torch.uint8))
     assert torch.equal(stored_v.view(torch.uint8), fmt.quantize(v[:, 0]).view(torch.uint8))
-    want = [127] + [int(round(x)) for x in halves[1:].tolist()]  # Python's round: half to even
-    assert stored_k[0, :d].tolist() == want and plain_scale(stored_k[0]) == 1.0
-    assert want[d // 2 + 2] == 2 and want[d // 2 + 3] == 4  # 2.5 and 3.5
+    want = [-127] + [int(round(-x)) for x in halves[1:].tolist()]  # Python's round: half to even
+    assert stored_v[0, :d].tolist() == want and plain_scale(stored_v[0]) == 1.0
+    assert want[d // 2 + 2] == -2 and want[d // 2 + 3] == -4  # -2.5 and -3.5
 
 
 def quantized_step(name, hq, hkv, d, bs, seed, q_lens=MIXED_Q, prefix=MIXED_PREFIX):
     cache, meta, q, k, v = make_step(q_lens, prefix, hq, hkv, d, bs, seed=seed)
     cache = cache * 2.5  # K/V rows of several magnitudes
-    return cache, fmt_of(name).quantize(cache), meta, q, k, v
+    return cache, quantize_pages(name, cache), meta, q, k, v
 
 
 def full_precision(cache, meta, k, v):
@@ -190,7 +254,7 @@ def test_kernel_on_8bit_pages_equals_float64_attention_over_the_dequantized_page
     blocks, offs = meta.slot_mapping // bs, meta.slot_mapping % bs
     fmt = fmt_of(name)
     # the step's K/V were quantized into their slots, each with its own scale
-    assert torch.equal(pages[blocks, 0, offs].view(torch.uint8), fmt.quantize(k).view(torch.uint8))
+    assert torch.equal(pages[blocks, 0, offs].view(torch.uint8), fmt.quantize(k, keys=True).view(torch.uint8))
     assert torch.equal(pages[blocks, 1, offs].view(torch.uint8), fmt.quantize(v).view(torch.uint8))
     deq = plain_dequantize(pages, d)
     exact = (out.double() - reference(q, deq, meta.block_tables, meta.q_lens, meta.kv_lens, scale)).abs().max()
@@ -281,7 +345,7 @@ def test_merged_rows_are_quantized_with_scales_of_their_own():
         s = 2 + t
         got_k = kv[:, table[s // BS], 0, s % BS]  # [L, Hkv, D + 4]
         got_v = kv[:, table[s // BS], 1, s % BS]
-        assert torch.equal(got_k.view(torch.uint8), fmt.quantize(new_k[:, :, t]).view(torch.uint8))
+        assert torch.equal(got_k.view(torch.uint8), fmt.quantize(new_k[:, :, t], keys=True).view(torch.uint8))
         assert torch.equal(got_v.view(torch.uint8), fmt.quantize(new_v[:, :, t]).view(torch.uint8))
 
 
@@ -314,7 +378,7 @@ def test_engine_on_8bit_pages_matches_a_float64_decoder_with_quantized_kv(make_e
     assert eng.core.kv_cache.data.dtype == STORAGE[name] and eng.kv_cache_format == name
     out = eng.generate([PROMPT], greedy(n, logprobs=0), use_tqdm=False)[0].outputs[0]
     got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
-    tokens, quantized = reference_logprobs(tiny_hf_llama, plain_quantize(name), n)
+    tokens, quantized = reference_logprobs(tiny_hf_llama, (plain_quantize_keys(name), plain_quantize(name)), n)
     assert out.token_ids == tokens
     err_quantized = max(abs(a - b) for a, b in zip(got, quantized))
     _, exact = reference_logprobs(tiny_hf_llama, None, n)

@@ -126,7 +126,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     rows = kv_cache.view(num_blocks * 2 * block_size, h, w)
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     k_rows = blocks * (2 * block_size) + (slot_mapping - blocks * block_size)
-    k, v = fmt.quantize(k), fmt.quantize(v)
+    k, v = fmt.quantize(k, keys=True), fmt.quantize(v)
     if fmt.is_8bit:  # as bytes: torch has no index_copy_ for float8 on the CPU
         rows, k, v = rows.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     rows.index_copy_(0, k_rows, k)

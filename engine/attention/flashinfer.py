@@ -245,7 +245,7 @@ class FlashInferBackend:
                 raise RuntimeError("forward() got new K/V but the step's metadata has no slot mapping "
                                    "(it was built with write=False)")
             fmt = format_of(kv_cache, q.shape[2])  # fp8 pages: clamped to the format's range (a cast would give NaN)
-            kv_cache[step.write_blocks, 0, step.write_offsets] = fmt.quantize(k)
+            kv_cache[step.write_blocks, 0, step.write_offsets] = fmt.quantize(k, keys=True)
             kv_cache[step.write_blocks, 1, step.write_offsets] = fmt.quantize(v)
         # plan() used FlashInfer's default sm_scale 1/sqrt(D); any other scale folds in through q_scale.
         ratio = scale * math.sqrt(step.head_dim)

@@ -140,7 +140,8 @@ class TorchPagedBackend:
 
         if p.num_decode:
             bd, s_pad = p.num_decode, p.decode_kv_pad
-            kv = fmt.dequantize(self._gather(rows, p.decode_rows), q.dtype).view(2, bd, hkv, s_pad, d)
+            kv = fmt.dequantize_kv(self._gather(rows, p.decode_rows).view(2, -1, rows.shape[-1]), q.dtype).view(
+                2, bd, hkv, s_pad, d)
             qd = q[p.decode_slice] if p.decode_slice is not None else q.index_select(0, p.decode_tokens)
             scores = torch.matmul(qd.reshape(bd, hkv, g, d) * scale, kv[0].transpose(-1, -2))
             if scores.element_size() < 4:
@@ -154,7 +155,8 @@ class TorchPagedBackend:
 
         for pf in p.prefills:
             n = pf.q_len
-            kv = fmt.dequantize(self._gather(rows, pf.rows), q.dtype).view(2, hkv, 1, pf.kv_len, d)
+            kv = fmt.dequantize_kv(self._gather(rows, pf.rows).view(2, -1, rows.shape[-1]), q.dtype).view(
+                2, hkv, 1, pf.kv_len, d)
             # GQA: batch over KV heads, the g query heads of a group see one K/V broadcast (stride 0, no copy)
             qs = q[pf.q_start:pf.q_start + n].reshape(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
             k_, v_ = (t.expand(hkv, g, pf.kv_len, d) for t in kv)
