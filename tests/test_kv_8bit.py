@@ -547,8 +547,8 @@ SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Here 
 def test_smollm2_int8_pages_agree_with_float32_pages_token_by_token(smollm2_engine):
     """Greedy agreement, teacher-forced: along float32 KV's own 64-token greedy continuation of each of 8 prompts,
     the int8-KV engine's top token equals the one float32 KV chose at nearly every position (measured 503 / 512,
-    every prompt >= 61 / 64, on an AMD Zen 4; bfloat16 KV: 511 / 512). Free-running, the 8 prompts' runs stay equal on
-    3 / 8 with int8 pages and 6 / 8 with bfloat16 ones: docs/benchmarks.md, "Free-running greedy agreement by KV page
+    every prompt >= 61 / 64, on an AMD Zen 4, with K rows rotated or not; bfloat16 KV: 511 / 512). Free-running, the 8
+    prompts' runs stay equal on 2 / 8 with int8 pages and 6 / 8 with bfloat16 ones: docs/benchmarks.md, "Free-running greedy agreement by KV page
     dtype", and "8-bit K and V rows, scheme by scheme" for the term (K's rounding)."""
     from engine import Engine
 
