@@ -117,7 +117,7 @@ class KVFormat:
 
     def dequantize_kv(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Stored rows [2, ..., width] (K then V) -> values [2, ..., D], K rotated back where `rotates_keys`."""
-        if not (self.is_8bit and self.rotates_keys(rows.shape[-1] - (SCALE_BYTES if self.scaled else 0))):
+        if not self.rotates_keys(rows.shape[-1] - SCALE_BYTES):  # rotated rows are int8 ones with their scale
             return self.dequantize(rows, dtype)
         x = self.dequantize(rows)
         x[0] = hadamard(x[0])
