@@ -153,6 +153,16 @@ def child(spec: dict) -> dict:
                             "flops": 2 * batch * weights,
                             "weight_bytes": linear_numel(engine.model, elem, rows=batch)[1],
                             "kv_bytes": batch * slots * kv_bytes_per_slot, "draw": draw})
+    out["prefills"] = []
+    for name, tokens in spec.get("prefills", []):  # one prompt alone, as a request arriving at an idle engine
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        walls = []
+        for prompt in text_prompts(engine.tokenizer, 4, tokens, seed=tokens):
+            t0 = time.perf_counter()
+            engine.generate([prompt], params)
+            walls.append(time.perf_counter() - t0)
+        engine.check_invariants()
+        out["prefills"].append({"workload": name, "tokens": tokens, "wall": median(walls[1:])})
     head = cfg.vocab_size * cfg.hidden_size
     out["model"] = {"weights": weights, "head": head, "weight_bytes": weight_bytes, "kv_per_slot": kv_bytes_per_slot,
                     "attn_flops_per_pair": 4 * cfg.num_q_heads * cfg.head_dim * cfg.num_layers}
@@ -183,12 +193,18 @@ def run_floor(model: dict, rates_: dict, n: int, prompt_len: int, output_len: in
 
 
 def run_child(threads: int, steps: int, **spec) -> dict:
-    """child() in its own interpreter; spec may set dtype, workloads [(name, batch, slots)] and offline runs."""
+    """child() in its own interpreter; spec may set dtype, workloads [(name, batch, slots)], offline runs and
+    prefills [(name, prompt tokens)] (one prompt's prefill alone, the median of three after a warm-up)."""
     spec = json.dumps({"threads": threads, "steps": steps, **spec})
     proc = subprocess.run([sys.executable, "-m", "bench.step_floor", "--child", spec], capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"child at {threads} threads failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def prefill_floor(model: dict, rates_: dict, tokens: int) -> float:
+    """Seconds one prompt of `tokens` tokens takes at the floor: its FLOPs at the GEMM rate (run_floor's prefill)."""
+    return run_floor(model, rates_, 1, tokens, 1)[0]
 
 
 def floors(rates_: dict, row: dict) -> tuple[float, float]:

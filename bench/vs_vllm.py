@@ -278,7 +278,8 @@ def main() -> None:
 
         mdata = refloor(args, out)
         cmd = "python -m bench.vs_vllm " + " ".join(sys.argv[1:])
-        body = (f"The floor table remeasured after the run by `{cmd}`.\n\n" + render_matrix(mdata))
+        at = mdata.get("floor", {}).get("kvllm", "?")
+        body = f"The floor table remeasured after the run by `{cmd}` (kvllm {at}).\n\n" + render_matrix(mdata)
         print(body)
         if not args.no_write:
             write_section(SECTION, mdata.get("command", "python -m bench.vs_vllm --parts matrix"), body)

@@ -27,7 +27,7 @@ from bench import step_floor
 from bench.common import write_section
 from bench.vs_vllm_cells import (CONFIGS, ENDPOINTS, MEMORY, MEMORY_CONFIG, REPRO, cell_named, cell_seed,
                                  plan, reference_prompts, select, sizes)
-from bench.vs_vllm_matrix_report import SECTION, render
+from bench.vs_vllm_matrix_report import SECTION, commit, render
 from bench.vs_vllm_serving import Workload, display, kvllm_server, run_client, vllm_server
 from engine.threads import available_cores
 
@@ -187,18 +187,26 @@ def run_floor(args, data: dict) -> None:
         return
     r = row["result"]
     batch = min(cell_named(REPRO).concurrency, r["completed"])
-    slots = round(r["total_input_tokens"] / max(r["completed"], 1)) + sizes(cell_named(REPRO), args.quick)[2] // 2
+    prompt = round(r["total_input_tokens"] / max(r["completed"], 1))
+    output = sizes(cell_named(REPRO), args.quick)[2]
+    slots = prompt + output // 2
     try:
         res = step_floor.run_child(THREADS, 4 if args.quick else 12, dtype="auto",
-                                   workloads=[(REPRO, batch, slots)], offline=[])
+                                   workloads=[(REPRO, batch, slots)], offline=[], prefills=[(REPRO, prompt)])
     except RuntimeError as err:
         data["errors"].append(f"floor: {err}")
         return
     gemm, kv = step_floor.floors(res["rates"], res["rows"][0])
+    # the prefills a request's TPOT carries: with `batch` requests held running, each one finishing lets one in,
+    # so over one request's output tokens about `batch` other prompts are prefilled on the same cores
     data["floor"] = {"cell": REPRO, "batch": batch, "slots": slots, "dtype": res["dtype"], "rates": res["rates"],
-                     "step_s": res["rows"][0]["step"], "gemm_s": gemm, "kv_s": kv, "threads": THREADS}
+                     "step_s": res["rows"][0]["step"], "gemm_s": gemm, "kv_s": kv, "threads": THREADS,
+                     "prompt": prompt, "output": output, "prefill_s": res["prefills"][0]["wall"],
+                     "prefill_floor_s": step_floor.prefill_floor(res["model"], res["rates"], prompt),
+                     "kvllm": commit()}
     print(f"  floor {batch} x {slots}: step {1e3 * data['floor']['step_s']:.1f} ms, floor "
-          f"{1e3 * (gemm + kv):.1f} ms", flush=True)
+          f"{1e3 * (gemm + kv):.1f} ms; a {prompt}-token prefill {1e3 * data['floor']['prefill_s']:.0f} ms",
+          flush=True)
 
 
 def refloor(args, out: Path) -> dict:
@@ -227,7 +235,7 @@ def run(args, tok, out: Path, versions: str) -> dict:
     writes matrix.json and matrix_section.md into `out`, and the docs section unless --quick or --no-write."""
     t0 = time.perf_counter()
     chosen = select(plan(), args.cells)
-    data = {"versions": versions, "quick": args.quick, "threads": THREADS, "rows": [], "launches": [],
+    data = {"versions": versions, "kvllm": commit(), "quick": args.quick, "threads": THREADS, "rows": [], "launches": [],
             "errors": [], "cells": [f"{c}/{n}" for c, n in chosen],
             "command": "python -m bench.vs_vllm " + " ".join(sys.argv[1:])}
     print(f"matrix: {len(chosen)} cells x servers {', '.join(args.engine_order)}", flush=True)

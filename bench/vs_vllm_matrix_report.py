@@ -127,25 +127,37 @@ def memory_table(data: dict) -> str:
 
 
 def floor_rows(data: dict) -> list[list[str]]:
-    """kvllm's median TPOT in the REPRO cell of each configuration over the decode step's floor at that batch."""
+    """kvllm's median TPOT in the REPRO cell of each configuration over the decode step's floor at that batch, and
+    over the step plus the prefills a request's TPOT carries (`batch` other prompts over its output tokens), measured
+    and at their floors."""
     f = data.get("floor")
     if not f:
         return []
     floor = f["gemm_s"] + f["kv_s"]
+    share = f["batch"] / (f["output"] - 1) if "prefill_s" in f else None  # prompts prefilled per output token
     out = []
     for config in CONFIGS:
         r = results(data).get((config, REPRO, "kvllm"))
         if r is None:
             continue
         tpot = r["median_tpot_ms"] / 1e3
-        out.append([f"{REPRO} ({config})", f"{f['batch']} x {f['slots']}, {f['dtype']}", f"{1e3 * tpot:.1f}",
-                    f"{1e3 * f['step_s']:.1f}", f"{1e3 * f['gemm_s']:.1f} + {1e3 * f['kv_s']:.1f} = "
-                    f"{1e3 * floor:.1f}", f"{f['step_s'] / floor:.2f}x", f"{tpot / floor:.2f}x",
-                    f"<= {TARGET_FLOOR:g}x", verdict(tpot / floor, TARGET_FLOOR, at_most=True)])
+        row = [f"{REPRO} ({config})", f"{f['batch']} x {f['slots']}, {f['dtype']}", f"{1e3 * tpot:.1f}",
+               f"{1e3 * f['step_s']:.1f}", f"{1e3 * f['gemm_s']:.1f} + {1e3 * f['kv_s']:.1f} = {1e3 * floor:.1f}",
+               f"{f['step_s'] / floor:.2f}x", f"{tpot / floor:.2f}x", f"<= {TARGET_FLOOR:g}x",
+               verdict(tpot / floor, TARGET_FLOOR, at_most=True)]
+        if share is None:
+            row += ["-"] * 4
+        else:
+            with_prefills = f["step_s"] + share * f["prefill_s"]
+            floor_with = floor + share * f["prefill_floor_s"]
+            row += [f"{f['prompt']}: {1e3 * f['prefill_s']:.0f} ({1e3 * f['prefill_floor_s']:.0f})",
+                    f"{1e3 * with_prefills:.1f} ({1e3 * floor_with:.1f})", f"{tpot / with_prefills:.2f}x",
+                    f"{tpot / floor_with:.2f}x"]
+        out.append(row)
     return out
 
 
-def _commit() -> str:
+def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -167,7 +179,7 @@ def render(data: dict) -> str:
     head = _table(["cell", "config", "kvllm output tok/s", "vLLM output tok/s", "kvllm / vLLM", "target", "verdict"],
                   headline_rows(data), ["---", "---", "--:", "--:", "--:", "---", "---"])
     parts = [
-        f"kvllm {_commit()} vs {data['versions']}; CPU: {cpu_name()} ({_bf16()}); SmolLM2-135M-Instruct, "
+        f"kvllm {data.get('kvllm') or commit()} vs {data['versions']}; CPU: {cpu_name()} ({_bf16()}); SmolLM2-135M-Instruct, "
         f"{data['threads']} threads. Every cell is one `vllm bench serve` run (vLLM's client) against each server "
         "in turn, real-text prompts cut from the Python language reference (pydoc_data), ignore_eos, temperature 0; "
         "a cell's name is endpoint (cmpl, chat) - shape (short 128/128, mid 256/256, longin 1024/128, reason "
@@ -187,10 +199,18 @@ def render(data: dict) -> str:
             "**TPOT against kvllm's decode-step floor** (bench/step_floor.py, no server running: kvllm's decode "
             "step at the cell's batch, its concurrency x its mean prompt plus half the output, and the step's floors: "
             f"its linear layers at the faster GEMM's 2048-row rate, {f['rates']['gflops']:.0f} GFLOP/s, plus its K/V "
-            f"reads at {f['rates']['read_gbs']:.1f} GB/s; TPOT also carries the prefills of the requests that "
-            "arrive):\n\n" + _table(["cell", "batch x KV slots", "kvllm median TPOT ms", "decode step ms",
-                                     "floor: GEMM + K/V ms", "step / floor", "TPOT / floor", "target", "verdict"],
-                                    floor, ["---", "---", "--:", "--:", "--:", "--:", "--:", "---", "---"]))
+            f"reads at {f['rates']['read_gbs']:.1f} GB/s. TPOT also carries the prefills of the requests that "
+            "arrive: with the client holding its concurrency, each request that finishes lets the next one in, so "
+            "over one request's output tokens about concurrency other prompts are prefilled on the same cores. The "
+            "last four columns add that share, concurrency / (output tokens - 1) prefills of the cell's mean prompt "
+            "per output token, each prefill measured alone on the idle engine (median of three) and, in brackets, "
+            "at its floor, its FLOPs at the GEMM rate; 'TPOT / (step + prefills)' near 1 means the server adds "
+            "nothing of its own):\n\n"
+            + _table(["cell", "batch x KV slots", "kvllm median TPOT ms", "decode step ms", "floor: GEMM + K/V ms",
+                      "step / floor", "TPOT / floor", "target", "verdict", "prompt tokens: prefill ms (floor)",
+                      "step + prefills ms (floor)", "TPOT / (step + prefills)", "TPOT / its floor with prefills"],
+                     floor, ["---", "---", "--:", "--:", "--:", "--:", "--:", "---", "---", "--:", "--:", "--:",
+                             "--:"]))
     for config in CONFIGS:
         if any(r["config"] == config for r in data["rows"]):
             parts.append(f"**{config}** ('arrival bound': the output tok/s the arrivals allow, rate x output tokens; "
