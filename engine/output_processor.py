@@ -1,7 +1,8 @@
 """Turns sampled tokens into text and finish decisions, and sequences into user-facing outputs.
 
-Detokenization is incremental (a short trailing window is decoded each step, and only complete characters
-are appended); stop strings are searched in the new text only; streaming deltas hold back text that could
+Detokenization is incremental: tokenizers' DecodeStream turns each new token into the text it completes (whole
+characters only), in Rust, where the tokenizer is a fast one whose decode transformers does not post-process; else a
+short trailing window is decoded each step and only complete characters are appended. Stop strings are searched in the new text only; streaming deltas hold back text that could
 still turn into a stop string.
 """
 from __future__ import annotations
@@ -9,15 +10,30 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
+
 from engine.errors import RequestFailedError
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sequence import Sequence
+
+
+def stream_backend(tokenizer) -> Any:
+    """The tokenizers.Tokenizer a DecodeStream can run on for this tokenizer, or None: a slow tokenizer has none, and
+    one that cleans up spaces after decoding (transformers' clean_up_tokenization_spaces) would give other text."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False) or DecodeStream is None:
+        return None
+    return backend
 
 
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int, stats: Any = None,
                  structured: Any = None, finish: Callable[[Sequence], None] | None = None):
         self.tokenizer = tokenizer
+        self.backend = stream_backend(tokenizer)
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.stats = stats  # the engine's counters (generation_tokens_total)
@@ -78,8 +94,19 @@ class OutputProcessor:
         return self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     def detokenize(self, seq: Sequence) -> None:
-        """Incremental detokenization: decode a short trailing window and append only complete characters."""
+        """Incremental detokenization: append the complete characters the new tokens finish. The offsets move as
+        the windowed decode's do either way, so `flush` can decode what a finished sequence still holds back."""
         ids, d = seq.output_token_ids, seq.detok
+        if self.backend is not None:
+            if d.stream is None:
+                d.stream = DecodeStream(skip_special_tokens=seq.params.skip_special_tokens)
+            new = d.stream.step(self.backend, ids[d.fed:])
+            d.fed = len(ids)
+            if new:
+                self._append_text(seq, new)
+                d.prefix_offset = d.read_offset
+                d.read_offset = len(ids)
+            return
         prefix = self.decode(ids[d.prefix_offset:d.read_offset], seq)
         full = self.decode(ids[d.prefix_offset:], seq)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,6 +53,9 @@ class DetokState:
     sent_text: int = 0
     prefix_offset: int = 0
     read_offset: int = 0
+    # tokenizers' DecodeStream (engine/output_processor.py) and how many output tokens it has been fed
+    stream: Any = None
+    fed: int = 0
 
 
 @dataclass(eq=False)

@@ -179,9 +179,11 @@ def test_prompt_plus_max_tokens_equal_to_max_model_len(make_engine):
     assert len(out.token_ids) == 12 and out.finish_reason == "length"
 
 
-def test_incremental_detokenization_of_multibyte_characters_and_stop_strings_across_tokens():
-    """The output processor with a byte-level tokenizer: characters split over several tokens appear only once
-    complete, and a stop string spanning token boundaries is found and held back from the stream."""
+@pytest.mark.parametrize("path", ["decode_stream", "window"])
+def test_incremental_detokenization_of_multibyte_characters_and_stop_strings_across_tokens(path):
+    """The output processor with a byte-level tokenizer, through tokenizers' DecodeStream and through the windowed
+    decode that other tokenizers take: characters split over several tokens appear only once complete, and a stop
+    string spanning token boundaries is found and held back from the stream."""
     from transformers import AutoTokenizer
 
     from engine.output_processor import OutputProcessor
@@ -193,6 +195,9 @@ def test_incremental_detokenization_of_multibyte_characters_and_stop_strings_acr
     ids = tok(text, add_special_tokens=False).input_ids
     assert len(ids) > len(text.split())  # multi-byte characters span several tokens
     proc = OutputProcessor(tok, {tok.eos_token_id}, 1000)
+    assert proc.backend is not None  # a fast tokenizer without space clean-up: the stream applies
+    if path == "window":
+        proc.backend = None
     seq = Sequence("r", [1], SamplingParams(max_tokens=100, stop=["STOP"]))
     streamed, finished_at = "", None
     for i, t in enumerate(ids):
@@ -209,3 +214,27 @@ def test_incremental_detokenization_of_multibyte_characters_and_stop_strings_acr
             break
     assert finished_at is not None and seq.finish_reason == "stop" and seq.stop_reason == "STOP"
     assert streamed == text[:text.index("STOP")] == seq.detok.text
+
+
+@pytest.mark.parametrize("path", ["decode_stream", "window"])
+def test_detokenization_of_a_sequence_cut_inside_a_character(path):
+    """A sequence that ends (here: its length) with a character's bytes half emitted gets the rest of its text at the
+    finish, the same on both paths: the tokens' own decode."""
+    from transformers import AutoTokenizer
+
+    from engine.output_processor import OutputProcessor
+    from engine.sequence import Sequence
+    from server_fixtures import smollm2_tokenizer_dir
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir()))
+    ids = tok("ok 🙂🙂", add_special_tokens=False).input_ids
+    cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
+    proc = OutputProcessor(tok, set(), 1000)
+    if path == "window":
+        proc.backend = None
+    seq = Sequence("r", [1], SamplingParams(max_tokens=cut))
+    for t in ids[:cut]:
+        seq.output_token_ids.append(t)
+        done = proc.append_token(seq, t)
+    assert done and seq.finish_reason == "length"
+    assert seq.detok.text == tok.decode(ids[:cut])
