@@ -235,8 +235,8 @@ def run(args, tok, out: Path, versions: str) -> dict:
     writes matrix.json and matrix_section.md into `out`, and the docs section unless --quick or --no-write."""
     t0 = time.perf_counter()
     chosen = select(plan(), args.cells)
-    data = {"versions": versions, "kvllm": commit(), "quick": args.quick, "threads": THREADS, "rows": [], "launches": [],
-            "errors": [], "cells": [f"{c}/{n}" for c, n in chosen],
+    data = {"versions": versions, "kvllm": commit(), "quick": args.quick, "threads": THREADS, "rows": [],
+            "launches": [], "errors": [], "cells": [f"{c}/{n}" for c, n in chosen],
             "command": "python -m bench.vs_vllm " + " ".join(sys.argv[1:])}
     print(f"matrix: {len(chosen)} cells x servers {', '.join(args.engine_order)}", flush=True)
     for config in CONFIGS:

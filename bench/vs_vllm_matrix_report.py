@@ -179,7 +179,8 @@ def render(data: dict) -> str:
     head = _table(["cell", "config", "kvllm output tok/s", "vLLM output tok/s", "kvllm / vLLM", "target", "verdict"],
                   headline_rows(data), ["---", "---", "--:", "--:", "--:", "---", "---"])
     parts = [
-        f"kvllm {data.get('kvllm') or commit()} vs {data['versions']}; CPU: {cpu_name()} ({_bf16()}); SmolLM2-135M-Instruct, "
+        f"kvllm {data.get('kvllm') or commit()} vs {data['versions']}; CPU: {cpu_name()} ({_bf16()}); "
+        "SmolLM2-135M-Instruct, "
         f"{data['threads']} threads. Every cell is one `vllm bench serve` run (vLLM's client) against each server "
         "in turn, real-text prompts cut from the Python language reference (pydoc_data), ignore_eos, temperature 0; "
         "a cell's name is endpoint (cmpl, chat) - shape (short 128/128, mid 256/256, longin 1024/128, reason "

@@ -2,18 +2,15 @@
 
 Detokenization is incremental: tokenizers' DecodeStream turns each new token into the text it completes (whole
 characters only), in Rust, where the tokenizer is a fast one whose decode transformers does not post-process; else a
-short trailing window is decoded each step and only complete characters are appended. Stop strings are searched in the new text only; streaming deltas hold back text that could
-still turn into a stop string.
+short trailing window is decoded each step and only complete characters are appended. Stop strings are searched in
+the new text only; streaming deltas hold back text that could still turn into a stop string.
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Callable
 
-try:
-    from tokenizers.decoders import DecodeStream
-except ImportError:  # tokenizers < 0.21
-    DecodeStream = None
+from tokenizers.decoders import DecodeStream
 
 from engine.errors import RequestFailedError
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -24,7 +21,7 @@ def stream_backend(tokenizer) -> Any:
     """The tokenizers.Tokenizer a DecodeStream can run on for this tokenizer, or None: a slow tokenizer has none, and
     one that cleans up spaces after decoding (transformers' clean_up_tokenization_spaces) would give other text."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False) or DecodeStream is None:
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None
     return backend
 
