@@ -20,7 +20,7 @@ BATCHES = (8, 32, 64)
 TOKENS = 256  # output tokens per sequence and round
 
 
-def feed(proc, tokenizer, prompts: list[list[int]], stream: bool) -> float:
+def feed(proc, prompts: list[list[int]], stream: bool) -> float:
     """Seconds to append every prompt's tokens as outputs of one sequence each, a token per sequence in turn."""
     from engine.sampling_params import SamplingParams
     from engine.sequence import Sequence
@@ -55,7 +55,7 @@ def run(threads: int, rounds: int) -> dict:
         walls: dict[bool, list[float]] = {True: [], False: []}
         for i in range(2 * rounds):
             stream = i % 2 == 0
-            walls[stream].append(feed(proc, tok, prompts, stream) / (batch * TOKENS))
+            walls[stream].append(feed(proc, prompts, stream) / (batch * TOKENS))
         params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
         ids = [f"s{batch}-{i}" for i in range(batch)]
         for rid, p in zip(ids, text_prompts(tok, batch, 384, seed=7)):
