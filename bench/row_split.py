@@ -4,10 +4,12 @@ matrix (bench/vs_vllm_cells.py) under vLLM's client:
 
     python -m bench.row_split [--cells GLOBS] [--quick] [--no-write]
 
-kvllm serve smollm2 at its defaults (auto: the split), with `--dtype bfloat16` (every forward in bf16 on oneDNN)
-and with `--dtype float32` (every forward on the file's blocks, the fused stack); VLLM_CPU_KVCACHE_SPACE=2 for
-each, 2 threads, a warm-up burst before each launch's cells. The table: output tok/s and median TPOT / TTFT per
-cell, and each single-dtype path's tok/s over the split's.
+kvllm serve smollm2 at its defaults (auto: the split), with `--dtype bfloat16` (bfloat16 weights on the panels for
+every row count, float32 activations, the fused stack: engine/core.py `panels_apply`), with `--dtype bfloat16
+--gemm-backend onednn` (every forward in bf16, layer by layer, on oneDNN's GEMMs: what `--dtype bfloat16` ran
+before) and with `--dtype float32` (every forward on the file's blocks, the fused stack); VLLM_CPU_KVCACHE_SPACE=2
+for each, 2 threads, a warm-up burst before each launch's cells. The table: output tok/s and median TPOT / TTFT per
+cell, and each other path's tok/s over the split's.
 """
 from __future__ import annotations
 
@@ -27,14 +29,16 @@ from bench.vs_vllm_serving import run_client
 
 CELLS = ["cmpl-short-inf-c1", "chat-mid-p2-c1", "cmpl-short-p6-c8", "chat-short-inf-c8", "chat-mid-p6-c32",
          "chat-short-inf-c64"]
-SETTINGS = {"auto (split)": [], "bfloat16": ["--dtype", "bfloat16"], "float32": ["--dtype", "float32"]}
+# label -> (file tag, flags)
+SETTINGS = {"auto (split)": ("auto", []), "bfloat16": ("bfloat16", ["--dtype", "bfloat16"]),
+            "bfloat16, oneDNN": ("onednn", ["--dtype", "bfloat16", "--gemm-backend", "onednn"]),
+            "float32": ("float32", ["--dtype", "float32"])}
 SECTION = "GEMMs split by row count: what --dtype auto runs a .gguf model as"
 
 
 def run(args, tok, out: Path) -> dict:
     data: dict = {"versions": vllm_version(), "cpu": cpu_name(), "rows": [], "errors": []}
-    for label, flags in SETTINGS.items():
-        tag = label.split()[0]
+    for label, (tag, flags) in SETTINGS.items():
         server = server_for("kvllm", "defaults", args, out / f"server_{tag}.log", flags)
 
         def one(name: str, label=label, tag=tag, server=server) -> None:
@@ -56,9 +60,11 @@ def run(args, tok, out: Path) -> dict:
 def render(data: dict, cells: list[str]) -> str:
     by = {(r["setting"], r["cell"]): r for r in data["rows"]}
     names = list(SETTINGS)
-    head = "| cell | " + " | ".join(f"{s}: tok/s (TPOT / TTFT ms)" for s in names) + " | bf16 / split | f32 / split |"
-    lines = [head, "|---|" + "---:|" * (len(names) + 2)]
-    ratios: dict[str, list[float]] = {"bfloat16": [], "float32": []}
+    others = names[1:]
+    head = ("| cell | " + " | ".join(f"{s}: tok/s (TPOT / TTFT ms)" for s in names) + " | "
+            + " | ".join(f"{s} / split" for s in others) + " |")
+    lines = [head, "|---|" + "---:|" * (len(names) + len(others))]
+    ratios: dict[str, list[float]] = {s: [] for s in others}
     for c in cells:
         cols = []
         for s in names:
@@ -66,7 +72,7 @@ def render(data: dict, cells: list[str]) -> str:
             cols.append(f"{r['tok_s']:.1f} ({r['tpot_ms']:.1f} / {r['ttft_ms']:.0f})" if r else "failed")
         split = by.get((names[0], c))
         rat = []
-        for s in ("bfloat16", "float32"):
+        for s in others:
             r = by.get((s, c))
             if r and split:
                 ratios[s].append(r["tok_s"] / split["tok_s"])
@@ -74,11 +80,10 @@ def render(data: dict, cells: list[str]) -> str:
             else:
                 rat.append("-")
         lines.append(f"| {c} | " + " | ".join(cols) + " | " + " | ".join(rat) + " |")
-    med = {s: statistics.median(v) for s, v in ratios.items() if v}
+    med = ", ".join(f"{s} / split {statistics.median(v):.2f}x" for s, v in ratios.items() if v)
     lines += ["", f"{data['cpu']}, {THREADS} threads; kvllm serve smollm2 (Q4_1 GGUF) at its defaults but for "
-              "`--dtype`, VLLM_CPU_KVCACHE_SPACE=2; client: vLLM's `vllm bench serve` "
-              f"({data['versions']}), cells of bench/vs_vllm_cells.py. Median ratio over the cells: bfloat16 / split "
-              f"{med.get('bfloat16', float('nan')):.2f}x, float32 / split {med.get('float32', float('nan')):.2f}x."]
+              "the flags named; VLLM_CPU_KVCACHE_SPACE=2; client: vLLM's `vllm bench serve` "
+              f"({data['versions']}), cells of bench/vs_vllm_cells.py. Median ratio over the cells: {med}."]
     if data["errors"]:
         lines.append("Errors: " + "; ".join(data["errors"]))
     return "\n".join(lines)

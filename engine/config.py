@@ -151,7 +151,8 @@ class EngineConfig:
                                        "CPUs with AMX/AVX512-BF16, float32 elsewhere (bf16 matmuls are slow there); "
                                        "a .gguf model on a CPU with AVX512-BF16 runs float32 split by row count: GEMMs "
                                        "of <= 4 rows on the file's blocks, larger ones on bfloat16 panels, bfloat16 KV "
-                                       "pages")
+                                       "pages; bfloat16 there: bfloat16 weights on the panels and KV pages, float32 "
+                                       "activations between the GEMMs")
     device: str | None = setting(None, help="cpu, cuda or cuda:N (default: cuda when available)")
     seed: int = setting(0, help="seed of requests that give none")
     quantization: str | None = setting(None, choices=_choices(QUANTIZATIONS),
@@ -164,7 +165,9 @@ class EngineConfig:
                                      "the kernel dequantizes them (results equal cpu's, ~3x less weight memory), "
                                      "onednn = bfloat16 weights packed once for oneDNN, torch = F.linear; auto: on an "
                                      "AVX2 CPU gguf for a float32 unquantized model loaded from a .gguf, cpu for any "
-                                     "other float32 one, onednn for a bfloat16 one on the CPU")
+                                     "other float32 one; a bfloat16 one on the CPU: bfloat16 panels with float32 "
+                                     "activations where the CPU has AVX512-BF16 (with layer_ops and attention auto), "
+                                     "else onednn")
     layer_ops: str = setting("auto", choices=_choices(LAYER_OPS),
                              help="RMSNorm (+ residual), RoPE, SiLU-multiply, the greedy argmax: cpu = C++ ops, "
                                   "fused = those and the layers' GEMMs and attention as one C++ call per forward "

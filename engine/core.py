@@ -61,13 +61,28 @@ def row_split_applies(config: EngineConfig, device: torch.device) -> bool:
     return bf16_panels.available() is None and gguf_file(config.model_source()) is not None
 
 
+def panels_apply(config: EngineConfig, device: torch.device) -> bool:
+    """Whether a bfloat16 model (`dtype='bfloat16'`, or 'auto' where no row split applies) runs every linear layer
+    on bfloat16 panels with float32 activations (engine/models/bf16_panels.py `panel_linears`): unsharded and
+    unquantized, every kernel choice 'auto', on a CPU with AVX512-BF16 whose C++ kernels load. The weights and the
+    KV pages are bfloat16 as asked; the fused C++ decoder stack then runs it (it takes float32 activations), where
+    a bfloat16 model would run layer by layer on oneDNN's GEMMs (docs/benchmarks.md, "bfloat16 on panels")."""
+    if (device.type != "cpu" or config.tensor_parallel_size != 1 or config.quantization is not None
+            or config.gemm_backend != "auto" or config.layer_ops != "auto"
+            or config.attention_backend not in ("auto", "cpu")
+            or parse_dtype(config.dtype, device) != torch.bfloat16 or row_split_applies(config, device)):
+        return False
+    return cpu_has_fast_bf16() and bf16_panels.available() is None
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = config.resolve_device()
         self.dtype = parse_dtype(config.dtype, self.device)
         self.row_split = row_split_applies(config, self.device)
-        if self.row_split:  # float32 activations; bf16 GEMMs for many rows, the file's blocks for few
+        self.panels = panels_apply(config, self.device)
+        if self.row_split or self.panels:  # float32 activations; bf16 GEMMs (for many rows under the row split)
             self.dtype = torch.float32
         self.driver = None  # tensor parallelism: rank 0's link to the worker ranks (engine/distributed/driver.py)
         try:
@@ -95,7 +110,10 @@ class EngineCore:
         self.model, self.model_config, self.tokenizer = load_model(config.model_source(), self.dtype, self.device)
         if config.quantization is not None:
             QUANTIZATIONS.get(config.quantization)(self.model)
-        GEMM_BACKENDS.get(config.gemm_backend)(self.model, config.quantization is not None)
+        if self.panels:
+            bf16_panels.panel_linears(self.model)
+        else:
+            GEMM_BACKENDS.get(config.gemm_backend)(self.model, config.quantization is not None)
         if self.row_split:
             split_rows(self.model)
         self.model.gguf_reader = None  # the GGUF file's mapping (kept by the loader for gemm_backend 'gguf')
@@ -103,9 +121,10 @@ class EngineCore:
                 config.host_blocks(self.model_config, self.kv_format), KVCacheManager)
 
     def _build(self, config: EngineConfig) -> None:
-        # under the row split 'auto' KV pages are bfloat16, as the dtype 'auto' would otherwise have picked
+        # float32 activations over bfloat16 weights: 'auto' KV pages are bfloat16, the dtype the model was given
         self.kv_format = config.resolve_kv_cache_dtype(self.dtype, self.device) if not (
-            self.row_split and config.kv_cache_dtype == "auto") else kv_format("bfloat16", self.dtype)
+            (self.row_split or self.panels) and config.kv_cache_dtype == "auto") else kv_format("bfloat16",
+                                                                                                self.dtype)
         num_blocks, host_blocks, kv_manager = self._load(config)
         self.model.set_layer_ops(pick_layer_ops(config.layer_ops, self.model))
         cfg = self.model_config
@@ -365,6 +384,9 @@ class EngineCore:
         if self.row_split:
             why = (f" activations (auto: a .gguf model on a CPU with AVX512-BF16: GEMMs of <= {SPLIT_ROWS} "
                    f"rows on the file's blocks, of more rows on bfloat16 panels; KV pages {self.kv_format.name})")
+        elif self.panels:
+            why = (f" activations ({'auto: this CPU has AVX512-BF16' if c.dtype == 'auto' else 'bfloat16 asked'}: "
+                   f"bfloat16 weights on panels, KV pages {self.kv_format.name})")
         elif c.dtype == "auto" and self.device.type == "cpu":
             why = " (auto: this CPU has AVX512-BF16/AMX)" if cpu_has_fast_bf16() else " (auto: no fast bf16 here)"
         # a row split's bf16 copies are submodules of the layers they serve: named beside them, not counted as layers

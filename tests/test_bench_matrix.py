@@ -178,3 +178,14 @@ def test_panel_prefetch_table_names_both_sides_and_the_ratio():
     text = render(data)
     assert "| 32 | 20.00 | 25.00 | 1.25x | 300 |" in text
     assert "| 32 x 384 | 40.00 | 44.00 | 1.10x |" in text and "CPU X, 2 threads" in text
+
+
+def test_row_split_table_has_a_ratio_per_setting():
+    from bench.row_split import SETTINGS, render
+
+    rows = [{"setting": s, "cell": "c", "tok_s": tok, "tpot_ms": 10.0, "ttft_ms": 100.0, "failed": 0}
+            for s, tok in zip(SETTINGS, (200.0, 150.0, 100.0, 50.0))]
+    text = render({"cpu": "CPU X", "versions": "v", "rows": rows, "errors": []}, ["c"])
+    assert "| c | 200.0 (10.0 / 100) | 150.0 (10.0 / 100) | 100.0 (10.0 / 100) | 50.0 (10.0 / 100) | 0.75x | 0.50x " \
+           "| 0.25x |" in text
+    assert "bfloat16, oneDNN / split 0.50x" in text and "CPU X" in text

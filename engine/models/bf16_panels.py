@@ -8,7 +8,8 @@ zero channels, K must be even.
 Why: a decode step of 8-64 sequences multiplies every weight by a few rows; there this kernel keeps the dot-product
 units busier than oneDNN's bf16 GEMM, and does twice the work per instruction of the float32 kernels on a GGUF
 file's blocks (docs/benchmarks.md, "GEMMs split by row count"). engine/models/row_split.py gives each layer of a
-row-split model one for its middle row counts.
+row-split model one for its many-row calls; `panel_linears` makes every linear of a bfloat16 model one
+(engine/core.py `panels_apply`).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from engine.attention import cpu_ext
-from engine.models.packed import rows_through
+from engine.models.packed import rows_through, swap_linears, unsharded_cpu_model
 
 PANEL = 16
 
@@ -53,6 +54,7 @@ class Bf16PanelLinear(nn.Module):
         self.register_buffer("w_panels", pack_panels(linear.weight))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
                                                                   requires_grad=False)
+        self.max_isa = 2  # one kernel path; the fused stack reads one max_isa across a model's linears
 
     @property
     def weight(self) -> torch.Tensor:
@@ -65,3 +67,13 @@ class Bf16PanelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def panel_linears(model: nn.Module) -> nn.Module:
+    """In place: every linear layer of a loaded float32 DecoderLM, the LM head included, becomes a Bf16PanelLinear
+    (its weight rounded to bfloat16 once, the float32 copy dropped); returns the model. Raises ValueError where the
+    kernel cannot run."""
+    why = unsharded_cpu_model(model, torch.float32, "the panels take") or available()
+    if why is not None:
+        raise ValueError(f"bfloat16 panels cannot run: {why}")
+    return swap_linears(model, Bf16PanelLinear)

@@ -1,0 +1,86 @@
+"""A bfloat16 model on a CPU with AVX512-BF16 (engine/core.py `panels_apply`): every linear layer, the LM head
+included, on bfloat16 panels (engine/models/bf16_panels.py `panel_linears`), float32 activations, bfloat16 KV pages,
+the fused C++ stack. Checked: which configurations take it, what the engine holds, and its teacher-forced
+log-probabilities against HF transformers in float64 on the same bfloat16-rounded weights: to float32 rounding with
+float32 pages, and closer than the bfloat16 oneDNN path (bfloat16 activations) with bfloat16 pages."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import cpu_ext
+from engine.config import EngineConfig
+from engine.models import bf16_panels
+
+try:
+    cpu_ext.load()
+except cpu_ext.ExtensionUnavailable as exc:
+    pytest.skip(f"C++ extension unavailable: {exc}", allow_module_level=True)
+
+
+def test_which_configurations_take_panels(monkeypatch, tiny_llama_dir):
+    import engine.config as config
+    import engine.core as core
+
+    monkeypatch.setattr(core, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(bf16_panels, "available", lambda: None)
+    cpu, tiny = torch.device("cpu"), str(tiny_llama_dir)
+    assert core.panels_apply(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
+    assert core.panels_apply(EngineConfig(model=tiny), cpu)  # auto is bfloat16 here
+    assert core.panels_apply(EngineConfig(model="smollm2", dtype="bfloat16"), cpu)
+    assert not core.panels_apply(EngineConfig(model="smollm2"), cpu)  # auto on a .gguf: the row split
+    for change in ({"dtype": "float32"}, {"dtype": "float16"}, {"gemm_backend": "onednn"}, {"gemm_backend": "torch"},
+                   {"layer_ops": "cpu"}, {"attention_backend": "torch"}, {"quantization": "int8"},
+                   {"tensor_parallel_size": 2}):
+        assert not core.panels_apply(EngineConfig(model=tiny, **{"dtype": "bfloat16", **change}), cpu), change
+    assert not core.panels_apply(EngineConfig(model=tiny, dtype="bfloat16"), torch.device("cuda"))
+    monkeypatch.setattr(bf16_panels, "available", lambda: "the CPU lacks AVX512-BF16")
+    assert not core.panels_apply(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
+    monkeypatch.setattr(bf16_panels, "available", lambda: None)
+    monkeypatch.setattr(core, "cpu_has_fast_bf16", lambda: False)
+    assert not core.panels_apply(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
+
+
+@pytest.mark.skipif(bf16_panels.available() is not None, reason=f"no bf16 panels here: {bf16_panels.available()}")
+def test_bf16_engine_runs_on_panels_closer_to_float64_than_onednn(make_engine, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.bf16_panels import Bf16PanelLinear
+    from engine.models.onednn import OneDnnLinear
+
+    eng = make_engine(dtype="bfloat16")
+    core = eng.core
+    assert core.panels and core.dtype == torch.float32 and core.kv_format.name == "bfloat16"
+    linears = [m for m in core.model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
+    n_layers = core.model_config.num_layers
+    assert len(linears) == 4 * n_layers + 1 and all(isinstance(m, Bf16PanelLinear) for m in linears)
+    assert core.model.layer_ops.name == "fused"
+    assert f"linear layers: Bf16PanelLinear x{4 * n_layers + 1}" in core.compute_line()
+    assert "bfloat16 asked" in core.compute_line()
+    onednn = make_engine(dtype="bfloat16", gemm_backend="onednn")
+    assert not onednn.core.panels and any(isinstance(m, OneDnnLinear) for m in onednn.core.model.modules())
+
+    # HF in float64 with what the panels round: each linear's weight and input (vdpbf16ps multiplies bfloat16
+    # pairs, accumulating in float32); embeddings, norms, residuals and attention stay unrounded
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float64).eval()
+    hf.lm_head.weight = torch.nn.Parameter(hf.lm_head.weight.detach().clone())  # untied: the embedding stays
+    with torch.no_grad():
+        for m in hf.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(m.weight.bfloat16().double())
+                m.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().double(),))
+    ctx, cont = [3, 17, 29, 41, 5, 8, 60, 77, 12], [9, 8, 7, 6, 5, 44, 45, 46, 47, 48, 49, 50, 90, 91, 92, 93]
+    with torch.no_grad():
+        logp = hf(torch.tensor([ctx + cont])).logits[0].log_softmax(-1)
+    want = torch.tensor([logp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont)])
+    exact = make_engine(dtype="bfloat16", kv_cache_dtype="float32")
+    assert exact.core.panels and exact.core.kv_format.name == "float32"
+    errs = {}
+    for name, e in (("panels", eng), ("panels, float32 pages", exact), ("onednn", onednn)):
+        got = torch.tensor(e.score(ctx, cont, chunk_size=3).prompt_logprobs, dtype=torch.float64)
+        errs[name] = (got - want).abs().max().item()
+    # with float32 pages nothing but float32 arithmetic separates it from the reference; bfloat16 pages add their
+    # rounding, and oneDNN's path rounds every activation too
+    assert errs["panels, float32 pages"] < 5e-3, errs  # bf16 ulps where float32 and float64 inputs round apart
+    assert errs["panels"] < 2e-2 and errs["panels"] < errs["onednn"], errs
