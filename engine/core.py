@@ -63,10 +63,12 @@ def row_split_applies(config: EngineConfig, device: torch.device) -> bool:
 
 def panels_apply(config: EngineConfig, device: torch.device) -> bool:
     """Whether a bfloat16 model (`dtype='bfloat16'`, or 'auto' where no row split applies) runs every linear layer
-    on bfloat16 panels with float32 activations (engine/models/bf16_panels.py `panel_linears`): unsharded and
-    unquantized, every kernel choice 'auto', on a CPU with AVX512-BF16 whose C++ kernels load. The weights and the
-    KV pages are bfloat16 as asked; the fused C++ decoder stack then runs it (it takes float32 activations), where
-    a bfloat16 model would run layer by layer on oneDNN's GEMMs (docs/benchmarks.md, "bfloat16 on panels")."""
+    on bfloat16 panels with float32 activations between them (engine/models/bf16_panels.py `panel_linears`; each
+    GEMM rounds its input rows to bfloat16 as a bfloat16 model's would, norms, residuals and attention stay float32):
+    unsharded and unquantized, every kernel choice 'auto', on a CPU with AVX512-BF16 whose C++ kernels load. The
+    weights and the KV pages are bfloat16 as asked; the fused C++ decoder stack then runs it (it takes float32), where
+    a bfloat16 model would run layer by layer on oneDNN's GEMMs (docs/benchmarks.md, "GEMMs split by row
+    count")."""
     if (device.type != "cpu" or config.tensor_parallel_size != 1 or config.quantization is not None
             or config.gemm_backend != "auto" or config.layer_ops != "auto"
             or config.attention_backend not in ("auto", "cpu")
@@ -107,7 +109,9 @@ class EngineCore:
             self.model, self.model_config, self.tokenizer, num_blocks, host_blocks = self.driver.start(config,
                                                                                                        self.dtype)
             return num_blocks, host_blocks, DriverKVCacheManager
-        self.model, self.model_config, self.tokenizer = load_model(config.model_source(), self.dtype, self.device)
+        # bfloat16 panels load the model as bfloat16 (no float32 copy of its weights) and make the rest float32
+        self.model, self.model_config, self.tokenizer = load_model(
+            config.model_source(), torch.bfloat16 if self.panels else self.dtype, self.device)
         if config.quantization is not None:
             QUANTIZATIONS.get(config.quantization)(self.model)
         if self.panels:

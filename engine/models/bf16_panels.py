@@ -1,5 +1,6 @@
 """bfloat16 weight panels for csrc/bf16_linear.cpp: `Bf16PanelLinear` multiplies float32 rows by a layer's weight
-rounded to bfloat16, with AVX512-BF16's pair dot products, into float32 outputs (no bf16 activations anywhere).
+rounded to bfloat16, with AVX512-BF16's pair dot products, into float32 outputs (the rows are rounded to bfloat16
+inside the call; no bf16 tensor leaves it).
 
 Layout: `pack_panels(w)` turns [N, K] into [ceil(N/16), K/2, 16, 2]: per panel of 16 output channels and per pair
 of input columns, the channels' two weights side by side (one 64-byte load feeds a vdpbf16ps). N is padded with
@@ -70,10 +71,16 @@ class Bf16PanelLinear(nn.Module):
 
 
 def panel_linears(model: nn.Module) -> nn.Module:
-    """In place: every linear layer of a loaded float32 DecoderLM, the LM head included, becomes a Bf16PanelLinear
-    (its weight rounded to bfloat16 once, the float32 copy dropped); returns the model. Raises ValueError where the
-    kernel cannot run."""
-    why = unsharded_cpu_model(model, torch.float32, "the panels take") or available()
+    """In place: every linear layer of a loaded float32 or bfloat16 DecoderLM, the LM head included, becomes a
+    Bf16PanelLinear (its weight rounded to bfloat16 once), and every other parameter (embedding, norms) becomes
+    float32, the activations' dtype; returns the model. Loaded as bfloat16, a model never holds a float32 copy of
+    its linears' weights. Raises ValueError where the kernel cannot run."""
+    dtype = next(model.parameters()).dtype
+    why = (unsharded_cpu_model(model, dtype, "the panels take") if dtype in (torch.float32, torch.bfloat16)
+           else f"the model is {dtype}, the panels take float32 or bfloat16") or available()
     if why is not None:
         raise ValueError(f"bfloat16 panels cannot run: {why}")
-    return swap_linears(model, Bf16PanelLinear)
+    swap_linears(model, Bf16PanelLinear)
+    for p in model.parameters():
+        p.data = p.data.float()
+    return model
