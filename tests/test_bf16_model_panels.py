@@ -1,8 +1,9 @@
 """A bfloat16 model on a CPU with AVX512-BF16 (engine/core.py `panels_apply`): every linear layer, the LM head
 included, on bfloat16 panels (engine/models/bf16_panels.py `panel_linears`), float32 activations, bfloat16 KV pages,
 the fused C++ stack. Checked: which configurations take it, what the engine holds, and its teacher-forced
-log-probabilities against HF transformers in float64 on the same bfloat16-rounded weights: to float32 rounding with
-float32 pages, and closer than the bfloat16 oneDNN path (bfloat16 activations) with bfloat16 pages."""
+log-probabilities against HF transformers in float64 on the same bfloat16-rounded weights and GEMM inputs: within
+a few bf16 roundings with float32 pages, and closer than the bfloat16 oneDNN path (bfloat16 activations) with
+bfloat16 pages."""
 from __future__ import annotations
 
 import pytest
