@@ -94,3 +94,35 @@ def test_bf16_engine_runs_on_panels_closer_to_float64_than_onednn(make_engine, t
     # path rounds every activation too
     assert errs["panels, float32 pages"] < 5e-3, errs
     assert errs["panels"] < 2e-2 and errs["panels"] < errs["onednn"], errs
+
+
+@pytest.mark.skipif(bf16_panels.available() is not None, reason=f"no bf16 panels here: {bf16_panels.available()}")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_panel_linears_takes_a_float32_or_bfloat16_model_alike(arch):
+    """A bfloat16 model and a float32 copy of its values become the same float32 model on the same panels (logits
+    and recomputed queries bit for bit, the Qwen2 qkv bias included); another dtype is refused, naming why."""
+    from helpers_models import mixed_batch_outputs, tiny_decoder_pair
+
+    c, bf16_model, f32_model = tiny_decoder_pair(arch, bf16_panels.panel_linears, dtype=torch.bfloat16)
+    bf16_panels.panel_linears(bf16_model)
+    assert all(p.dtype == torch.float32 for p in bf16_model.parameters())
+    (la, qa), (lb, qb) = mixed_batch_outputs(c, [bf16_model, f32_model])
+    assert la.dtype == torch.float32 and torch.equal(la, lb) and torch.equal(qa, qb)
+    half = tiny_decoder_pair(arch, lambda m: m, dtype=torch.float16)[1]
+    with pytest.raises(ValueError, match="bfloat16 panels cannot run: the model is torch.float16"):
+        bf16_panels.panel_linears(half)
+
+
+@pytest.mark.skipif(bf16_panels.available() is not None, reason=f"no bf16 panels here: {bf16_panels.available()}")
+def test_bf16_engine_compresses_with_recomputed_queries(make_engine):
+    """Kara's recomputed window queries (Attention.queries) read the qkv layer's dense weight, bfloat16 on the panels
+    under float32 activations: the rounds run and the sequence reaches its length."""
+    from engine import SamplingParams
+
+    kara = {"method": "kara", "window": 16, "buffer": 4, "ratio": 0.25, "chunk_max": 4, "chunk_budget": 2,
+            "compression_period": 12, "query_source": "recompute"}
+    eng = make_engine(dtype="bfloat16", kv_compression=kara)
+    assert eng.core.panels
+    prompt = [7, 19, 33, 41, 5, 8, 90, 12, 64, 3, 27, 101, 55, 18, 77, 46, 9, 120, 31, 14]
+    out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=56, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 56 and eng.stats().compression.rounds == 4

@@ -114,8 +114,9 @@ class Attention(nn.Module):
 
     def queries(self, x, cos, sin) -> torch.Tensor:
         """Post-RoPE queries [T, Hq, D] only (q rows of the fused projection)."""
-        bias = self.qkv_proj.bias
-        q = F.linear(x, self.qkv_proj.weight[: self.q_size], None if bias is None else bias[: self.q_size])
+        # a packed layer's dense weight may be another dtype than the activations (bf16 panels under float32)
+        w, bias = self.qkv_proj.weight[: self.q_size].to(x.dtype), self.qkv_proj.bias
+        q = F.linear(x, w, None if bias is None else bias[: self.q_size].to(x.dtype))
         q = q.view(-1, self.num_q_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
