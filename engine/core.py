@@ -50,31 +50,31 @@ logger = logging.getLogger("kvllm")
 
 
 
+def _bf16_panels_run(config: EngineConfig, device: torch.device) -> bool:
+    """What both bf16-panel paths below need: an unsharded, unquantized model, every kernel choice 'auto', on a CPU
+    with AVX512-BF16 (the panels' dot products) whose C++ kernels load."""
+    return (device.type == "cpu" and config.tensor_parallel_size == 1 and config.quantization is None
+            and config.gemm_backend == "auto" and config.layer_ops == "auto"
+            and config.attention_backend in ("auto", "cpu") and cpu_has_fast_bf16()
+            and bf16_panels.available() is None)
+
+
 def row_split_applies(config: EngineConfig, device: torch.device) -> bool:
     """Whether `dtype='auto'` runs the model as float32 with its GEMMs split by row count
-    (engine/models/row_split.py): a .gguf model, unsharded and unquantized, every kernel choice 'auto', on a CPU with
-    AVX512-BF16 (the bf16 panels' dot products) whose C++ kernels load."""
-    if (config.dtype != "auto" or device.type != "cpu" or config.tensor_parallel_size != 1
-            or config.quantization is not None or config.gemm_backend != "auto" or config.layer_ops != "auto"
-            or config.attention_backend not in ("auto", "cpu") or not cpu_has_fast_bf16()):
-        return False
-    return bf16_panels.available() is None and gguf_file(config.model_source()) is not None
+    (engine/models/row_split.py): a .gguf model where the bf16 panels run."""
+    return (config.dtype == "auto" and _bf16_panels_run(config, device)
+            and gguf_file(config.model_source()) is not None)
 
 
 def panels_apply(config: EngineConfig, device: torch.device) -> bool:
     """Whether a bfloat16 model (`dtype='bfloat16'`, or 'auto' where no row split applies) runs every linear layer
     on bfloat16 panels with float32 activations between them (engine/models/bf16_panels.py `panel_linears`; each
-    GEMM rounds its input rows to bfloat16 as a bfloat16 model's would, norms, residuals and attention stay float32):
-    unsharded and unquantized, every kernel choice 'auto', on a CPU with AVX512-BF16 whose C++ kernels load. The
-    weights and the KV pages are bfloat16 as asked; the fused C++ decoder stack then runs it (it takes float32), where
-    a bfloat16 model would run layer by layer on oneDNN's GEMMs (docs/benchmarks.md, "GEMMs split by row
-    count")."""
-    if (device.type != "cpu" or config.tensor_parallel_size != 1 or config.quantization is not None
-            or config.gemm_backend != "auto" or config.layer_ops != "auto"
-            or config.attention_backend not in ("auto", "cpu")
-            or parse_dtype(config.dtype, device) != torch.bfloat16 or row_split_applies(config, device)):
-        return False
-    return cpu_has_fast_bf16() and bf16_panels.available() is None
+    GEMM rounds its input rows to bfloat16 as a bfloat16 model's would, norms, residuals and attention stay float32),
+    where the bf16 panels run. The weights and the KV pages are bfloat16 as asked; the fused C++ decoder stack then
+    runs it (it takes float32), where a bfloat16 model would run layer by layer on oneDNN's GEMMs
+    (docs/benchmarks.md, "GEMMs split by row count")."""
+    return (parse_dtype(config.dtype, device) == torch.bfloat16 and _bf16_panels_run(config, device)
+            and not row_split_applies(config, device))
 
 
 class EngineCore:
