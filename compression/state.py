@@ -34,8 +34,10 @@ class QueryCache:
         if n > self.capacity:
             q, first, n = q[:, n - self.capacity:], first + n - self.capacity, self.capacity
             self.lo = first
-        idx = torch.arange(first, first + n, device=q.device) % self.capacity
-        self.buf.index_copy_(1, idx, q.to(self.buf.dtype))
+        # at most two slice copies (the ring wraps once): a decode step stores one row per sequence, and an
+        # index_copy_ with its arange cost several times the copy itself
+        for dst, src, count in self._spans(first, n):
+            self.buf[:, dst:dst + count].copy_(q[:, src:src + count])
         self.hi = first + n
         self.lo = max(self.lo, self.hi - self.capacity)
 
@@ -43,8 +45,14 @@ class QueryCache:
         """Queries of positions [first, first + n) as [L, n, Hq, D], or None if some are not held."""
         if self.buf is None or first < self.lo or first + n > self.hi:
             return None
-        idx = torch.arange(first, first + n, device=self.buf.device) % self.capacity
-        return self.buf.index_select(1, idx)
+        parts = [self.buf[:, dst:dst + count] for dst, _, count in self._spans(first, n)]
+        return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def _spans(self, first: int, n: int) -> list[tuple[int, int, int]]:
+        """(ring slot, offset in the n positions, count) of the runs positions [first, first + n) occupy."""
+        slot = first % self.capacity
+        head = min(n, self.capacity - slot)
+        return [(slot, 0, head)] + ([(0, head, n - head)] if head < n else [])
 
     @property
     def nbytes(self) -> int:
