@@ -767,6 +767,178 @@ struct Avx512Bf16 : Avx512 {
 };
 
 #pragma GCC pop_options
+
+// ---- AVX512-VNNI kernels on an int8 cache (D % 32 == 0) -------------------------------------------------
+// The K and V rows are integers, so the dot products can stay integer: vpdpwssd multiplies 32 int16 pairs into 16
+// int32 lanes, twice the float FMA's work, and the rows widen to int16 with one instruction per 32 values instead
+// of two per 16. The scores take q as int16 with one scale per row (max |q| / 32767), the value sums each row's
+// probabilities (times the value scales) as int16 with one scale per row and chunk; their sums are exact integers,
+// so the only roundings are q's and p's, 2^-16 of their row's largest (the bf16 path rounds them to 2^-9 of each
+// value). V rows are interleaved two keys a step as in the bf16 path, with its permuted column order.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")
+
+KVLLM_INLINE __m512i widen_i8(const int8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 32 floats (times `mul`, rounded to nearest even) -> 32 int16, in order; |x * mul| <= 32767
+KVLLM_INLINE __m512i to_i16(const float* p, __m512 mul) {
+  const __m256i a = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p), mul)));
+  const __m256i b = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + 16), mul)));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+
+// Integer forms of tree4 and fold_lanes (the shuffles move bits alike; the adds are exact)
+KVLLM_INLINE __m512i tree4_i(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+  const __m512i b01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+  const __m512i b23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+  const __m512 x = _mm512_castsi512_ps(b01), y = _mm512_castsi512_ps(b23);
+  return _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0))),
+                          _mm512_castps_si512(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2))));
+}
+
+KVLLM_INLINE __m512i fold_lanes_i(__m512i x, __m512i y) {
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// MB rows x 4 keys over DV 32-value vectors (q: MB * DV int16 vectors): per row, tree4_i of its 4 accumulators
+template <int MB, int DV>
+KVLLM_INLINE void quad_i16(const __m512i* q, const int8_t* const* k, __m512i* c) {
+  __m512i acc[MB][4];
+  for (int r = 0; r < MB; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
+  for (int v = 0; v < DV; ++v) {
+    __m512i kv[4];
+    for (int j = 0; j < 4; ++j) kv[j] = widen_i8(k[j] + 32 * v);
+    for (int r = 0; r < MB; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpwssd_epi32(acc[r][j], q[r * DV + v], kv[j]);
+  }
+  for (int r = 0; r < MB; ++r) c[r] = tree4_i(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
+template <int MB, int DV>
+inline void score_rows_i16(const Rows<int8_t>& R, int64_t r0, int64_t jmax) {
+  __m512i q[MB * DV];
+  __m512 unit[MB];  // the value of one int16 step of each row's q
+  for (int r = 0; r < MB; ++r) {
+    const float* qr = R.q + (r0 + r) * R.d;
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t i = 0; i < R.d; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qr + i)));
+    const float m = _mm512_reduce_max_ps(mx);
+    const __m512 mul = _mm512_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    for (int v = 0; v < DV; ++v) q[r * DV + v] = to_i16(qr + 32 * v, mul);
+    unit[r] = _mm512_set1_ps(m / 32767.f);
+  }
+  for (int64_t j0 = 0; j0 < jmax; j0 += 16) {
+    __m512i c0[MB], c1[MB], half[MB];
+    quad_i16<MB, DV>(q, R.kp + j0, c0);
+    quad_i16<MB, DV>(q, R.kp + j0 + 4, c1);
+    for (int r = 0; r < MB; ++r) half[r] = fold_lanes_i(c0[r], c1[r]);
+    quad_i16<MB, DV>(q, R.kp + j0 + 8, c0);
+    quad_i16<MB, DV>(q, R.kp + j0 + 12, c1);
+    for (int r = 0; r < MB; ++r) {
+      const __m512i sums = fold_lanes_i(half[r], fold_lanes_i(c0[r], c1[r]));
+      _mm512_storeu_ps(R.s + (r0 + r) * kChunk + j0, _mm512_mul_ps(_mm512_cvtepi32_ps(sums), unit[r]));
+    }
+  }
+}
+
+template <int DV>
+inline void scores_i16(const Rows<int8_t>& R) {
+  int64_t r = 0;
+  for (; r + 3 <= R.n; r += 3) {
+    const int64_t jm = block_jmax(R, r, 3);
+    if (jm) score_rows_i16<3, DV>(R, r, jm);
+  }
+  for (; r < R.n; ++r)
+    if (R.nv[r]) score_rows_i16<1, DV>(R, r, R.nv[r]);
+}
+
+// o[r] (rows r0..r0+MB; columns [c, c + 32 * DH) in the permuted order) += unit[r] * sum_{j < jmax} pi[r][j] v[j],
+// two keys per vpdpwssd; pi[r]: row r's int16 probabilities as pairs (key 2m low, 2m + 1 high), zero from jmax on.
+// A chunk's integer sums stay below 2^31: 32 keys x 32767 x 128.
+template <int MB, int DH>
+inline void pv_i16(const Rows<int8_t>& R, int64_t r0, int64_t jmax, int64_t c, const uint32_t (*pi)[kChunk / 2],
+                   const __m512* unit) {
+  __m512i acc[MB][2 * DH];
+  for (int r = 0; r < MB; ++r)
+    for (int x = 0; x < 2 * DH; ++x) acc[r][x] = _mm512_setzero_si512();
+  for (int64_t j = 0; j < jmax; j += 2) {  // key jmax (when jmax is odd) is a valid row with probability 0
+    __m512i lo[DH], hi[DH];
+    for (int h = 0; h < DH; ++h) {
+      const __m512i a = widen_i8(R.vp[j] + c + 32 * h), b = widen_i8(R.vp[j + 1] + c + 32 * h);
+      lo[h] = _mm512_unpacklo_epi16(a, b);
+      hi[h] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int r = 0; r < MB; ++r) {
+      const __m512i w = _mm512_set1_epi32(static_cast<int>(pi[r][j / 2]));
+      for (int h = 0; h < DH; ++h) {
+        acc[r][2 * h] = _mm512_dpwssd_epi32(acc[r][2 * h], w, lo[h]);
+        acc[r][2 * h + 1] = _mm512_dpwssd_epi32(acc[r][2 * h + 1], w, hi[h]);
+      }
+    }
+  }
+  for (int r = 0; r < MB; ++r)
+    for (int x = 0; x < 2 * DH; ++x) {
+      float* o = R.o + (r0 + r) * R.d + c + 16 * x;
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][x]), unit[r], _mm512_loadu_ps(o)));
+    }
+}
+
+template <int MB>
+inline void pv_rows_i16(const Rows<int8_t>& R, int64_t r0, int64_t jmax) {
+  alignas(64) uint32_t pi[MB][kChunk / 2];
+  __m512 unit[MB];
+  for (int r = 0; r < MB; ++r) {
+    const float* s = R.s + (r0 + r) * kChunk;
+    const __m512 a = _mm512_maskz_loadu_ps(tail_mask(std::min<int64_t>(16, jmax)), s);
+    const __m512 b = _mm512_maskz_loadu_ps(tail_mask(std::clamp<int64_t>(jmax - 16, 0, 16)), s + 16);
+    const float m = _mm512_reduce_max_ps(_mm512_max_ps(a, b));  // probabilities are >= 0
+    const __m512 mul = _mm512_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    alignas(64) float p[kChunk];
+    _mm512_store_ps(p, a);
+    _mm512_store_ps(p + 16, b);
+    _mm512_store_si512(pi[r], to_i16(p, mul));
+    unit[r] = _mm512_set1_ps(m / 32767.f);
+  }
+  int64_t c = 0;
+  for (; c + 64 <= R.d; c += 64) pv_i16<MB, 2>(R, r0, jmax, c, pi, unit);
+  for (; c < R.d; c += 32) pv_i16<MB, 1>(R, r0, jmax, c, pi, unit);
+}
+
+struct Avx512I8 : Avx512 {
+  static void scores(const Rows<int8_t>& R) {
+    switch (R.d / 32) {
+      case 2: return scores_i16<2>(R);
+      case 4: return scores_i16<4>(R);
+      case 1: return scores_i16<1>(R);
+      case 3: return scores_i16<3>(R);
+      default: return Avx512::scores(R);  // past head_dim 128: the float path (accumulate below still runs)
+    }
+  }
+  static void accumulate(const Rows<int8_t>& R) {
+    int64_t r = 0;
+    for (; r + 3 <= R.n; r += 3) {
+      const int64_t jm = block_jmax(R, r, 3);
+      if (jm) pv_rows_i16<3>(R, r, jm);
+    }
+    for (; r < R.n; ++r)
+      if (R.nv[r]) pv_rows_i16<1>(R, r, R.nv[r]);
+  }
+  static void finish(float* o, int64_t rows, int64_t d) { Avx512Bf16::finish(o, rows, d); }
+};
+
+bool cpu_has_avx512_vnni() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  }();
+  return ok;
+}
+
+#pragma GCC pop_options
 #endif  // KVLLM_X86
 
 // ---- one work item -------------------------------------------------------------------------------------
@@ -990,6 +1162,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::
 #ifdef KVLLM_X86
   if (isa >= 3 && P.kv_dtype == DType::BF16 && d % 32 == 0 && d <= 1024)
     return run_items<Avx512Bf16, c10::BFloat16>(P, items, bounds);
+  if (isa >= 3 && P.kv_dtype == DType::I8 && d % 32 == 0 && d <= 1024 && cpu_has_avx512_vnni())
+    return run_items<Avx512I8, int8_t>(P, items, bounds);
   if (isa >= 2 && d % 16 == 0) return go(Avx512{});
   if (isa >= 1 && d % 8 == 0) return go(Avx2{});
 #endif
@@ -1524,6 +1698,14 @@ void block_linear(const at::Tensor& x, const at::Tensor& q_packed, const at::Ten
 bool has_avx2() { return cpu_has_avx2(); }
 int64_t isa_level() { return best_isa(); }
 int64_t attention_isa_level() { return best_attention_isa(); }
+// whether max_isa 3 runs int8 pages (head_dim % 32 == 0) on integer dot products (Avx512I8)
+bool int8_dot_attention() {
+#ifdef KVLLM_X86
+  return best_attention_isa() >= 3 && cpu_has_avx512_vnni();
+#else
+  return false;
+#endif
+}
 
 }  // namespace
 
@@ -1558,6 +1740,7 @@ TORCH_LIBRARY(kvllm_cpu, m) {
   m.def("has_avx2() -> bool", &has_avx2);
   m.def("isa_level() -> int", &isa_level);
   m.def("attention_isa_level() -> int", &attention_isa_level);
+  m.def("int8_dot_attention() -> bool", &int8_dot_attention);
 }
 
 }  // namespace kvllm_cpu

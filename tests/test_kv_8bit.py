@@ -28,7 +28,8 @@ if not cpu_ext.is_available():
     cpu_ext.load()
 
 from engine.attention.cpu_paged import CpuPagedBackend  # noqa: E402
-from test_cpu_attention import KERNELS, MIXED_PREFIX, MIXED_Q, make_step, reference, run  # noqa: E402
+from test_cpu_attention import (  # noqa: E402
+    KERNELS, MIXED_PREFIX, MIXED_Q, make_step, permuted_columns, reference, run)
 
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2"]
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
@@ -285,13 +286,43 @@ def test_a_reference_with_each_slots_scale_moved_one_slot_fails(name):
     assert (out.double() - ref).abs().max() > 0.05
 
 
-def test_decode_of_many_long_sequences_on_int8_pages():
+INT8_DOTS = cpu_ext.load().int8_dot_attention()
+needs_int8_dots = pytest.mark.skipif(not INT8_DOTS, reason="no AVX512-BF16 + AVX512-VNNI on this CPU")
+# |output - float64 attention over the dequantized pages| of the integer-dot kernel (q and the probabilities as int16,
+# 2^-16 of their row's largest): measured <= 5.8e-4 over the cases below, outputs up to ~9 (float kernels: 2.5e-6)
+INT16_BOUND = 1e-3
+
+
+@pytest.mark.parametrize("level", [pytest.param(3, id="int8-dots", marks=needs_int8_dots), *KERNELS])
+def test_decode_of_many_long_sequences_on_int8_pages(level):
     lens = [1, 16, 17, 100, 257, 500]
     q_lens, prefix = {s: 1 for s in range(len(lens))}, {s: n - 1 for s, n in enumerate(lens)}
     cache, pages, meta, q, k, v = quantized_step("int8", 9, 3, 64, 16, seed=6, q_lens=q_lens, prefix=prefix)
-    out = run(CpuPagedBackend(), meta, q, k, v, pages, 0.125)
+    out = run(CpuPagedBackend(max_isa=level), meta, q, k, v, pages, 0.125)
     ref = reference(q, plain_dequantize(pages, 64), meta.block_tables, meta.q_lens, meta.kv_lens, 0.125)
-    assert (out.double() - ref).abs().max() < 1e-5
+    assert (out.double() - ref).abs().max() < (INT16_BOUND if level == 3 else 1e-5)
+
+
+@needs_int8_dots
+# head_dim 64 and 128 (the unrolled score widths 2 and 4 vectors), 96 (3: a 64-column value block, then 32), 32 (1)
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (8, 1, 128, 16), (6, 2, 96, 4), (4, 2, 32, 4)])
+def test_int8_pages_on_integer_dot_products(hq, hkv, d, bs):
+    """Level 3 on int8 pages (csrc/kvllm_cpu.cpp Avx512I8): the dot products are exact integers, so the output is
+    within the int16 rounding of q and of the probabilities of float64 attention over the dequantized pages, and
+    within the format's bound of attention over the unquantized K/V, as the float kernels are."""
+    cache, pages, meta, q, k, v = quantized_step("int8", hq, hkv, d, bs, seed=d + hq)
+    scale = 1 / math.sqrt(d)
+    out = run(CpuPagedBackend(max_isa=3), meta, q, k, v, pages, scale)  # writes the step's K/V into `pages`
+    ref = reference(q, plain_dequantize(pages, d), meta.block_tables, meta.q_lens, meta.kv_lens, scale)
+    assert (out.double() - ref).abs().max() < INT16_BOUND
+    full = full_precision(cache, meta, k, v)
+    err = (out.double() - reference(q, full, meta.block_tables, meta.q_lens, meta.kv_lens, scale)).abs()
+    bound_max, bound_mean = UNQUANTIZED_BOUND["int8"]
+    assert 0 < err.max() < bound_max and err.mean() < bound_mean
+    assert not torch.equal(out, run(CpuPagedBackend(max_isa=2), meta, q, k, v, pages.clone(), scale))  # it ran
+    # the check sees the kernel's column order: its output left in the permuted order it accumulates in is far off
+    wrong = out[..., torch.tensor(permuted_columns(d))]
+    assert (wrong.double() - ref).abs().max() > 20 * INT16_BOUND
 
 
 # ---- compaction moves a slot's scale with its values -------------------------------------------------------------
