@@ -774,7 +774,9 @@ struct Avx512Bf16 : Avx512 {
 // of two per 16. The scores take q as int16 with one scale per row (max |q| / 32767), the value sums each row's
 // probabilities (times the value scales) as int16 with one scale per row and chunk; their sums are exact integers,
 // so the only roundings are q's and p's, 2^-16 of their row's largest (the bf16 path rounds them to 2^-9 of each
-// value). V rows are interleaved two keys a step as in the bf16 path, with its permuted column order.
+// value). V rows are interleaved two keys a step as in the bf16 path, with its permuted column order. quad_i16 and
+// pv_i16 repeat quad_bh's and pv_bh's loops with the integer instructions, for the reason Avx512's loops repeat
+// Avx2's: a template shared by the two target regions would be compiled with one region's target.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")
 

@@ -115,8 +115,8 @@ def test_panel_linears_takes_a_float32_or_bfloat16_model_alike(arch):
 
 @pytest.mark.skipif(bf16_panels.available() is not None, reason=f"no bf16 panels here: {bf16_panels.available()}")
 def test_bf16_engine_compresses_with_recomputed_queries(make_engine):
-    """Kara's recomputed window queries (Attention.queries) read the qkv layer's dense weight, bfloat16 on the panels
-    under float32 activations: the rounds run and the sequence reaches its length."""
+    """Kara's recomputed window queries (Attention.queries) on the bf16-panel engine, whose qkv layer holds bfloat16
+    panels under float32 activations: the rounds run and the sequence reaches its length."""
     from engine import SamplingParams
 
     kara = {"method": "kara", "window": 16, "buffer": 4, "ratio": 0.25, "chunk_max": 4, "chunk_budget": 2,

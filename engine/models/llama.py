@@ -114,10 +114,14 @@ class Attention(nn.Module):
 
     def queries(self, x, cos, sin) -> torch.Tensor:
         """Post-RoPE queries [T, Hq, D] only (q rows of the fused projection)."""
-        # a packed layer's dense weight may be another dtype than the activations (bf16 panels under float32)
-        w, bias = self.qkv_proj.weight[: self.q_size].to(x.dtype), self.qkv_proj.bias
-        q = F.linear(x, w, None if bias is None else bias[: self.q_size].to(x.dtype))
-        q = q.view(-1, self.num_q_heads, self.head_dim)
+        if isinstance(getattr(type(self.qkv_proj), "weight", None), property):
+            # a packed layer (bf16 panels, GGUF blocks, int8, oneDNN) builds its whole dense weight on every
+            # `.weight` read: its own kernel over q, k and v costs less than that
+            q = self.qkv_proj(x)[..., : self.q_size]
+        else:
+            w, bias = self.qkv_proj.weight[: self.q_size], self.qkv_proj.bias
+            q = F.linear(x, w, None if bias is None else bias[: self.q_size])
+        q = q.reshape(-1, self.num_q_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         return self.ops.rope(q, None, cos, sin)[0]

@@ -44,7 +44,7 @@ class OneDnnLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dense weight [out, in] (a new tensor, for code that reads `.weight` directly, such as
-        Attention.queries during query recomputation and the GEMM floor of bench/; the forward never builds it)."""
+        the GEMM floor of bench/; the forward and query recomputation never build it)."""
         return self.w_packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

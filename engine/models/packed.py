@@ -81,7 +81,7 @@ class PackedLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dense weight [out, in] (a new tensor: for code that reads `.weight` directly, such as
-        Attention.queries during query recomputation and the GEMM floor of bench/; the forward never builds it)."""
+        the GEMM floor of bench/; the forward and query recomputation never build it)."""
         return self.w_packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
