@@ -34,8 +34,8 @@ class QueryCache:
         if n > self.capacity:
             q, first, n = q[:, n - self.capacity:], first + n - self.capacity, self.capacity
             self.lo = first
-        # at most two slice copies (the ring wraps once): a decode step stores one row per sequence, and an
-        # index_copy_ with its arange cost several times the copy itself
+        # at most two slice copies (the ring wraps once) rather than an arange, a modulo and an index_copy_ on
+        # every store: a decode step stores one row per sequence
         for dst, src, count in self._spans(first, n):
             self.buf[:, dst:dst + count].copy_(q[:, src:src + count])
         self.hi = first + n
