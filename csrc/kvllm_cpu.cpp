@@ -784,10 +784,10 @@ KVLLM_INLINE __m512i widen_i8(const int8_t* p) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// 32 floats (times `mul`, rounded to nearest even) -> 32 int16, in order; |x * mul| <= 32767
-KVLLM_INLINE __m512i to_i16(const float* p, __m512 mul) {
-  const __m256i a = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p), mul)));
-  const __m256i b = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + 16), mul)));
+// 32 floats, lo then hi (times `mul`, rounded to nearest even) -> 32 int16, in order; |x * mul| <= 32767
+KVLLM_INLINE __m512i to_i16(__m512 lo, __m512 hi, __m512 mul) {
+  const __m256i a = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, mul)));
+  const __m256i b = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, mul)));
   return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
 }
 
@@ -830,7 +830,8 @@ inline void score_rows_i16(const Rows<int8_t>& R, int64_t r0, int64_t jmax) {
     for (int64_t i = 0; i < R.d; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qr + i)));
     const float m = _mm512_reduce_max_ps(mx);
     const __m512 mul = _mm512_set1_ps(m > 0.f ? 32767.f / m : 0.f);
-    for (int v = 0; v < DV; ++v) q[r * DV + v] = to_i16(qr + 32 * v, mul);
+    for (int v = 0; v < DV; ++v)
+      q[r * DV + v] = to_i16(_mm512_loadu_ps(qr + 32 * v), _mm512_loadu_ps(qr + 32 * v + 16), mul);
     unit[r] = _mm512_set1_ps(m / 32767.f);
   }
   for (int64_t j0 = 0; j0 < jmax; j0 += 16) {
@@ -898,11 +899,7 @@ inline void pv_rows_i16(const Rows<int8_t>& R, int64_t r0, int64_t jmax) {
     const __m512 a = _mm512_maskz_loadu_ps(tail_mask(std::min<int64_t>(16, jmax)), s);
     const __m512 b = _mm512_maskz_loadu_ps(tail_mask(std::clamp<int64_t>(jmax - 16, 0, 16)), s + 16);
     const float m = _mm512_reduce_max_ps(_mm512_max_ps(a, b));  // probabilities are >= 0
-    const __m512 mul = _mm512_set1_ps(m > 0.f ? 32767.f / m : 0.f);
-    alignas(64) float p[kChunk];
-    _mm512_store_ps(p, a);
-    _mm512_store_ps(p + 16, b);
-    _mm512_store_si512(pi[r], to_i16(p, mul));
+    _mm512_store_si512(pi[r], to_i16(a, b, _mm512_set1_ps(m > 0.f ? 32767.f / m : 0.f)));
     unit[r] = _mm512_set1_ps(m / 32767.f);
   }
   int64_t c = 0;

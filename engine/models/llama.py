@@ -15,7 +15,6 @@ import math
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
@@ -113,15 +112,9 @@ class Attention(nn.Module):
         return self.o_proj(o.flatten(1))
 
     def queries(self, x, cos, sin) -> torch.Tensor:
-        """Post-RoPE queries [T, Hq, D] only (q rows of the fused projection)."""
-        if isinstance(getattr(type(self.qkv_proj), "weight", None), property):
-            # a packed layer (bf16 panels, GGUF blocks, int8, oneDNN) builds its whole dense weight on every
-            # `.weight` read: its own kernel over q, k and v costs less than that
-            q = self.qkv_proj(x)[..., : self.q_size]
-        else:
-            w, bias = self.qkv_proj.weight[: self.q_size], self.qkv_proj.bias
-            q = F.linear(x, w, None if bias is None else bias[: self.q_size])
-        q = q.reshape(-1, self.num_q_heads, self.head_dim)
+        """Post-RoPE queries [T, Hq, D] only: the q rows of the fused projection, run as the forward runs it (a
+        packed layer's `.weight` would rebuild its whole dense weight on every call)."""
+        q = self.qkv_proj(x)[..., : self.q_size].reshape(-1, self.num_q_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         return self.ops.rope(q, None, cos, sin)[0]
@@ -225,8 +218,8 @@ class DecoderLM(nn.Module):
     def recompute_queries(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                           attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         """Post-RoPE queries [L, T, Hq, D] of tokens whose K/V are already cached (meta built with write=False).
-        Nothing is written; K/V are not projected; the last layer stops after its queries. Under TP: this rank's
-        query heads (Hq = num_local_q_heads), every rank must call it."""
+        Nothing is written (the fused qkv projection's K/V are dropped); the last layer stops after its queries.
+        Under TP: this rank's query heads (Hq = num_local_q_heads), every rank must call it."""
         c = self.config
         out = torch.empty(c.num_layers, input_ids.shape[0], self.num_local_q_heads, c.head_dim,
                           dtype=self.embed_tokens.weight.dtype, device=input_ids.device)

@@ -83,8 +83,8 @@ class Int8Linear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized float32 weight [out, in] (a new tensor: for code that reads `.weight` directly; the forward pass and query recomputation never
-        build it)."""
+        """The dequantized float32 weight [out, in] (a new tensor: for code that reads `.weight` directly; the
+        forward pass and query recomputation never build it)."""
         w = self.w_packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].float()
         scale = self.scale.transpose(1, 2).reshape(-1, self.scale.shape[1])[: self.out_features]
         return w * scale.repeat_interleave(self.group_size, dim=1)
