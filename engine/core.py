@@ -32,7 +32,7 @@ from engine.model_runner import ModelRunner
 from engine.models import bf16_panels
 from engine.models.backends import GEMM_BACKENDS, pick_layer_ops
 from engine.models.quant import QUANTIZATIONS
-from engine.models.row_split import SPLIT_ROWS, split_rows
+from engine.models.row_split import split_rows
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
@@ -386,8 +386,13 @@ class EngineCore:
         c = self.config
         why = ""
         if self.row_split:
-            why = (f" activations (auto: a .gguf model on a CPU with AVX512-BF16: GEMMs of <= {SPLIT_ROWS} "
-                   f"rows on the file's blocks, of more rows on bfloat16 panels; KV pages {self.kv_format.name})")
+            few = sorted({(type(m).__name__, m.many_rows_above) for m in self.model.modules()
+                          if getattr(m, "many_rows", None) is not None})
+            kernel = {"Q4PanelLinear": "4-bit panels", "BlockLinear": "the file's blocks",
+                      "PackedLinear": "float32 panels"}
+            why = (" activations (auto: a .gguf model on a CPU with AVX512-BF16: GEMMs of "
+                   + ", ".join(f"<= {rows} rows on {kernel.get(name, name)}" for name, rows in few[::-1])
+                   + f", of more rows on bfloat16 panels; KV pages {self.kv_format.name})")
         elif self.panels:
             why = (f" activations ({'auto: this CPU has AVX512-BF16' if c.dtype == 'auto' else 'bfloat16 asked'}: "
                    f"bfloat16 weights on panels, KV pages {self.kv_format.name})")

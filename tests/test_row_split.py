@@ -152,8 +152,8 @@ def test_which_configurations_split(monkeypatch):
 
 def test_smollm2_at_auto_splits_and_serves():
     """The default engine on a CPU with AVX512-BF16: float32 compute, bfloat16 pages, the startup line says so; a
-    greedy batch of a short and a long prompt runs both sides (a prefill of > 4 tokens on the panels, decodes of 2
-    on the blocks) to its length, the allocator's invariants holding after."""
+    greedy batch of a short and a long prompt runs both sides (a prefill of > 12 tokens on the bf16 panels, decodes
+    of 2 on the 4-bit ones) to its length, the allocator's invariants holding after."""
     from engine import Engine, SamplingParams
     from engine.config import cpu_has_fast_bf16
 
@@ -164,11 +164,12 @@ def test_smollm2_at_auto_splits_and_serves():
         core = eng.core
         assert core.row_split and core.dtype == torch.float32 and core.kv_format.name == "bfloat16"
         line = core.compute_line()
-        assert "GEMMs of <= 4 rows" in line
-        # 30 layers x 4 linears + the LM head, each counted once with its bf16 copy named beside it
-        assert "linear layers: BlockLinear (+ a Bf16PanelLinear copy) x121" in line, line
+        assert "GEMMs of <= 12 rows on 4-bit panels, <= 4 rows on the file's blocks" in line, line
+        # 30 layers x 4 linears (Q4_1) and the LM head (Q8_0), each counted once with its bf16 copy named beside it
+        assert ("linear layers: Q4PanelLinear (+ a Bf16PanelLinear copy) x120, BlockLinear (+ a Bf16PanelLinear "
+                "copy) x1") in line, line
         assert "Bf16PanelLinear x" not in line
-        assert core.model.layer_ops.name == "fused" and core.model.many_rows_above == 4
+        assert core.model.layer_ops.name == "fused" and core.model.many_rows_above == 12
         text = open("/usr/share/common-licenses/GPL-3").read()[:600]
         outs = eng.generate(["The capital of France is", text],
                             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
