@@ -11,8 +11,8 @@
 // Per layer (weights[18 * i ...]): input norm, qkv linear, o linear, post-attention norm, gate/up linear, down
 // linear, each linear as four tensors (w, d, m, bias): a GGUF block layer (int8 w, its d and m; csrc block_linear),
 // a float32 panel layer (w_packed, then two empty tensors; packed_linear), a bfloat16 panel layer (w_panels, two
-// empty tensors; csrc/bf16_linear.cpp) or a 4-bit panel layer (uint8 w_q4, two empty tensors; csrc/q4_linear.cpp);
-// an empty bias is none. The final norm's weight is the last tensor.
+// empty tensors; csrc/bf16_linear.cpp) or a quantized panel layer (uint8 w_panels, two empty tensors;
+// csrc/quant_panels.cpp); an empty bias is none. The final norm's weight is the last tensor.
 // Activations stay float32 throughout.
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -42,8 +42,8 @@ void linear(const at::Tensor& x, const at::TensorList& w, int64_t i, at::Tensor&
     KVLLM_RANGE("bf16_linear");
     ops::bf16_linear(x, w[i], maybe(w[i + 3]), out);
   } else if (w[i].scalar_type() == at::kByte) {
-    KVLLM_RANGE("q4_linear");
-    ops::q4_linear(x, w[i], maybe(w[i + 3]), out);
+    KVLLM_RANGE("quant_panel_linear");
+    ops::quant_panel_linear(x, w[i], maybe(w[i + 3]), out);
   } else if (w[i].scalar_type() == at::kChar) {
     KVLLM_RANGE("block_linear");
     ops::block_linear(x, w[i], w[i + 1], w[i + 2], maybe(w[i + 3]), out, isa);

@@ -1,4 +1,4 @@
-// The ops of csrc/kvllm_cpu.cpp, csrc/layer_ops.cpp, csrc/bf16_linear.cpp and csrc/q4_linear.cpp that
+// The ops of csrc/kvllm_cpu.cpp, csrc/layer_ops.cpp, csrc/bf16_linear.cpp and csrc/quant_panels.cpp that
 // csrc/decoder_layers.cpp calls directly (C++ to C++, no dispatcher): the same functions the torch.ops.kvllm_cpu
 // registrations call, with the same checks.
 #pragma once
@@ -22,7 +22,8 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Ten
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, int64_t max_isa);
 void silu_mul(const at::Tensor& x, at::Tensor& out, int64_t max_isa);
 void bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out);
-void q4_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out);
+void quant_panel_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                        at::Tensor& out);
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, const at::Tensor& slot_mapping);
 
 }  // namespace kvllm_cpu::ops

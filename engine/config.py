@@ -150,8 +150,8 @@ class EngineConfig:
     dtype: str | torch.dtype = setting("auto", choices=DTYPES, help="model dtype; auto: bfloat16 on CUDA and on "
                                        "CPUs with AMX/AVX512-BF16, float32 elsewhere (bf16 matmuls are slow there); "
                                        "a .gguf model on a CPU with AVX512-BF16 runs float32 split by row count: GEMMs "
-                                       "of <= 4 rows on the file's blocks, larger ones on bfloat16 panels, bfloat16 KV "
-                                       "pages; bfloat16 there: bfloat16 weights on the panels and KV pages, float32 "
+                                       "of few rows on the file's blocks as quantized panels (4-bit <= 12 rows, 8-bit "
+                                       "<= 8), larger ones on bfloat16 panels, bfloat16 KV pages; bfloat16 there: bfloat16 weights on the panels and KV pages, float32 "
                                        "activations between the GEMMs")
     device: str | None = setting(None, help="cpu, cuda or cuda:N (default: cuda when available)")
     seed: int = setting(0, help="seed of requests that give none")

@@ -386,12 +386,12 @@ class EngineCore:
         c = self.config
         why = ""
         if self.row_split:
-            few = sorted({(type(m).__name__, m.many_rows_above) for m in self.model.modules()
-                          if getattr(m, "many_rows", None) is not None})
-            kernel = {"Q4PanelLinear": "4-bit panels", "BlockLinear": "the file's blocks",
-                      "PackedLinear": "float32 panels"}
+            few = sorted({(f"{m.bits}-bit panels" if hasattr(m, "bits") else type(m).__name__, m.many_rows_above)
+                          for m in self.model.modules() if getattr(m, "many_rows", None) is not None},
+                         key=lambda kind: (-kind[1], kind[0]))
+            kernel = {"BlockLinear": "the file's blocks", "PackedLinear": "float32 panels"}
             why = (" activations (auto: a .gguf model on a CPU with AVX512-BF16: GEMMs of "
-                   + ", ".join(f"<= {rows} rows on {kernel.get(name, name)}" for name, rows in few[::-1])
+                   + ", ".join(f"<= {rows} rows on {kernel.get(name, name)}" for name, rows in few)
                    + f", of more rows on bfloat16 panels; KV pages {self.kv_format.name})")
         elif self.panels:
             why = (f" activations ({'auto: this CPU has AVX512-BF16' if c.dtype == 'auto' else 'bfloat16 asked'}: "

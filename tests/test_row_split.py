@@ -46,7 +46,7 @@ def test_linear_dispatch_at_the_boundary(make):
     lin = make()
     holder = nn.Module()
     holder.lin = lin
-    assert split_rows(holder, rows=ROWS) == 1 and holder.many_rows_above == ROWS
+    assert split_rows(holder, rows=ROWS, panel_rows=None) == 1 and holder.many_rows_above == ROWS
     assert isinstance(lin.many_rows, Bf16PanelLinear)
     with torch.no_grad():  # the bf16 copy holds the layer's own weight, rounded once
         assert torch.equal(lin.many_rows.weight, lin.weight.bfloat16())
@@ -153,7 +153,7 @@ def test_which_configurations_split(monkeypatch):
 def test_smollm2_at_auto_splits_and_serves():
     """The default engine on a CPU with AVX512-BF16: float32 compute, bfloat16 pages, the startup line says so; a
     greedy batch of a short and a long prompt runs both sides (a prefill of > 12 tokens on the bf16 panels, decodes
-    of 2 on the 4-bit ones) to its length, the allocator's invariants holding after."""
+    of 2 on the quantized ones) to its length, the allocator's invariants holding after."""
     from engine import Engine, SamplingParams
     from engine.config import cpu_has_fast_bf16
 
@@ -164,10 +164,9 @@ def test_smollm2_at_auto_splits_and_serves():
         core = eng.core
         assert core.row_split and core.dtype == torch.float32 and core.kv_format.name == "bfloat16"
         line = core.compute_line()
-        assert "GEMMs of <= 12 rows on 4-bit panels, <= 4 rows on the file's blocks" in line, line
+        assert "GEMMs of <= 12 rows on 4-bit panels, <= 8 rows on 8-bit panels, of more" in line, line
         # 30 layers x 4 linears (Q4_1) and the LM head (Q8_0), each counted once with its bf16 copy named beside it
-        assert ("linear layers: Q4PanelLinear (+ a Bf16PanelLinear copy) x120, BlockLinear (+ a Bf16PanelLinear "
-                "copy) x1") in line, line
+        assert "linear layers: QuantPanelLinear (+ a Bf16PanelLinear copy) x121" in line, line
         assert "Bf16PanelLinear x" not in line
         assert core.model.layer_ops.name == "fused" and core.model.many_rows_above == 12
         text = open("/usr/share/common-licenses/GPL-3").read()[:600]

@@ -2,7 +2,7 @@
 
 The call runs, layer by layer, the kernels the per-layer path (engine/models/llama.py with CpuLayerOps) calls one
 by one: RMSNorm with the residual add, the qkv / o / gate-up / down linears (GGUF blocks, float32 panels or, for a
-bfloat16 model, bfloat16 panels; under a row split, engine/models/row_split.py, 4-bit panels or the blocks, and their
+bfloat16 model, bfloat16 panels; under a row split, engine/models/row_split.py, quantized panels or the blocks, and their
 bfloat16-panel copies for forwards of more tokens), RoPE, the K/V writes and paged attention, SiLU-multiply, and keeps the post-RoPE queries
 of the rows a compression scorer asks for (`meta.capture`, the cache query source). Same kernels, same order, same
 inputs: the hidden states are bit for bit the per-layer path's. What it removes is the Python between them (module
@@ -11,7 +11,7 @@ milliseconds.
 
 It applies where every one of those kernels would run anyway: a float32 model on the CPU, not split by tensor
 parallelism, without per-head q/k norms (Qwen3), every layer linear a BlockLinear, PackedLinear, Bf16PanelLinear or
-Q4PanelLinear (gemm_backend gguf or cpu, engine/core.py `panels_apply`, or the row split), the cpu attention
+QuantPanelLinear (gemm_backend gguf or cpu, engine/core.py `panels_apply`, or the row split), the cpu attention
 backend on a float or 8-bit cache (engine/attention/cpu_paged.py). A forward that does not qualify takes the
 per-layer path.
 """
@@ -26,7 +26,7 @@ from engine.models.bf16_panels import Bf16PanelLinear
 from engine.models.gguf_linear import BlockLinear
 from engine.models.layer_ops import CpuLayerOps, can_use_cpu_ops
 from engine.models.packed import PackedLinear
-from engine.models.q4_panels import Q4PanelLinear
+from engine.models.quant_panels import QuantPanelLinear
 
 if TYPE_CHECKING:
     from engine.attention.base import AttentionMetadata
@@ -51,9 +51,9 @@ def why_not_fused(model: torch.nn.Module) -> str | None:
         return "the model has per-head q/k norms"
     for i, layer in enumerate(layers):
         for name, lin in _linears(layer):
-            if not isinstance(lin, (BlockLinear, PackedLinear, Bf16PanelLinear, Q4PanelLinear)):
+            if not isinstance(lin, (BlockLinear, PackedLinear, Bf16PanelLinear, QuantPanelLinear)):
                 return (f"layer {i}'s {name} is a {type(lin).__name__} (the fused stack takes gemm_backend gguf or "
-                        f"cpu layers, or bfloat16 or 4-bit panels)")
+                        f"cpu layers, or bfloat16 or quantized panels)")
     return None
 
 
@@ -77,8 +77,8 @@ def _stack_weights(model: DecoderLM, many: bool) -> list[torch.Tensor]:
                 weights += [lin.q_packed, lin.d, lin.m, bias]
             elif isinstance(lin, Bf16PanelLinear):
                 weights += [lin.w_panels, empty, empty, bias]
-            elif isinstance(lin, Q4PanelLinear):
-                weights += [lin.w_q4, empty, empty, bias]
+            elif isinstance(lin, QuantPanelLinear):
+                weights += [lin.w_panels, empty, empty, bias]
             else:  # PackedLinear's float32 panels
                 weights += [lin.w_packed, empty, empty, bias]
             if name == "o_proj":
