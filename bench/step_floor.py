@@ -36,7 +36,8 @@ TERMS = ("GEMM", "attention", "argmax", "other ops")
 
 
 def term_of(op: str) -> str:
-    if any(k in op for k in ("packed_linear", "block_linear", "bf16_linear", "int8_linear", "_linear_pointwise")) or op in (
+    if any(k in op for k in ("packed_linear", "block_linear", "bf16_linear", "quant_panel_linear", "int8_linear",
+                             "_linear_pointwise")) or op in (
             "aten::addmm", "aten::mm", "aten::linear"):
         return "GEMM"
     if "paged_attention" in op:
@@ -80,8 +81,9 @@ def rates(model, threads: int, dtype=None) -> dict:
 
 def linear_numel(model, weight_bytes: int = 4, rows: int = 1) -> tuple[int, int]:
     """(weights of every linear layer incl. the LM head, bytes of those weights) as a step of `rows` rows reads them:
-    a GGUF block layer (gemm_backend 'gguf') its int8 q and float32 d, m; a layer whose calls of that many rows go to
-    its bfloat16 copy (a row split) 2 bytes a weight; any other its weights of `weight_bytes` each."""
+    a GGUF block layer (gemm_backend 'gguf') its int8 q and float32 d, m; a layer on quantized panels its panels'
+    bytes; a layer whose calls of that many rows go to its bfloat16 copy (a row split) 2 bytes a weight; any other
+    its weights of `weight_bytes` each."""
     copies = {id(m.many_rows) for m in model.modules() if getattr(m, "many_rows", None) is not None}
     total, nbytes = 0, 0
     for m in model.modules():
@@ -91,6 +93,8 @@ def linear_numel(model, weight_bytes: int = 4, rows: int = 1) -> tuple[int, int]
                 nbytes += m.in_features * m.out_features * 2
             elif hasattr(m, "q_packed"):
                 nbytes += sum(t.numel() * t.element_size() for t in (m.q_packed, m.d, m.m))
+            elif hasattr(m, "bits"):  # quantized panels (engine/models/quant_panels.py)
+                nbytes += m.w_panels.numel()
             else:
                 nbytes += m.in_features * m.out_features * weight_bytes
     return total, nbytes
