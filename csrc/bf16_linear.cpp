@@ -22,27 +22,14 @@
 #include <vector>
 
 #include "ops.h"
-#include "simd.h"
+#include "panels.h"
 
 namespace kvllm_cpu {
 namespace {
 
-constexpr int kPanel = 16;
 constexpr int kTileRows = 8;
 constexpr int kTilePanels = 3;
 constexpr int64_t kChunkRows = 256;  // rows per work item (a multiple of kTileRows)
-
-bool cpu_has_avx512_bf16() {
-#ifdef KVLLM_X86
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return best_isa() >= 2 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
 
 // Whether the tiles prefetch the next panel group (rows_of); on unless a benchmark turns it off to measure it
 // (torch.ops.kvllm_cpu.set_bf16_prefetch, bench/panel_prefetch.py).
@@ -141,22 +128,12 @@ void to_bf16(const float* x, int64_t m, int64_t k, int64_t ld, uint16_t* out) {
 
 void bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out) {
   TORCH_CHECK_VALUE(cpu_has_avx512_bf16(), "bf16_linear needs AVX512-BF16 (this CPU lacks it)");
-  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-                    "x must be a float32 CPU [M, K] tensor with contiguous rows");
   TORCH_CHECK_VALUE(w.device().is_cpu() && w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
                         w.size(2) == kPanel && w.size(3) == 2,
                     "w must be contiguous bf16 panels [P, K/2, 16, 2] (engine/models/bf16_panels.py)");
+  const int64_t n = check_panel_rows(x, out, bias, w.size(0));
   const int64_t m = x.size(0), k = x.size(1), panels = w.size(0);
   TORCH_CHECK_VALUE(k == 2 * w.size(1), "x has ", k, " columns, the panels hold ", 2 * w.size(1));
-  TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == m &&
-                        out.is_contiguous() && out.size(1) > (panels - 1) * kPanel && out.size(1) <= panels * kPanel,
-                    "out must be a contiguous float32 [M, N] tensor, N within the panels' ", panels * kPanel,
-                    " channels");
-  const int64_t n = out.size(1);
-  if (bias) {
-    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                      "bias must be a contiguous float32 [N] tensor");
-  }
   if (m == 0) return;
 #ifdef KVLLM_X86
   std::vector<uint16_t> xb(m * k);

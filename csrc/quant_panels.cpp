@@ -29,29 +29,16 @@
 #include <vector>
 
 #include "ops.h"
-#include "simd.h"
+#include "panels.h"
 
 namespace kvllm_cpu {
 namespace {
 
-constexpr int kPanel = 16;
 constexpr int kBlock = 32;            // columns per block
 constexpr int kQ4Bytes = 320;         // 8 x 32 nibble bytes + 2 x 16 float16
 constexpr int kQ8Bytes = 544;         // 8 x 64 bytes + 16 float16
 constexpr int kTileRows = 8;
 constexpr int64_t kChunkRows = 256;  // rows per work item (a multiple of kTileRows)
-
-bool panels_ok() {
-#ifdef KVLLM_X86
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return best_isa() >= 2 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
 
 struct Problem {
   const uint32_t* x;  // [M, K/2] bf16 pairs
@@ -182,29 +169,17 @@ void to_bf16_sums(const float* x, int64_t m, int64_t k, int64_t ld, uint16_t* ou
 
 }  // namespace
 
-bool has_quant_panels() { return panels_ok(); }
-
 void quant_panel_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                         at::Tensor& out) {
-  TORCH_CHECK_VALUE(panels_ok(), "quant_panel_linear needs AVX512-BF16 (this CPU lacks it)");
-  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-                    "x must be a float32 CPU [M, K] tensor with contiguous rows");
+  TORCH_CHECK_VALUE(cpu_has_avx512_bf16(), "quant_panel_linear needs AVX512-BF16 (this CPU lacks it)");
   TORCH_CHECK_VALUE(w.device().is_cpu() && w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() &&
                         (w.size(2) == kQ4Bytes || w.size(2) == kQ8Bytes),
                     "w must be contiguous quantized panels uint8 [P, K/32, 320 (4-bit) or 544 (8-bit)] "
                     "(engine/models/quant_panels.py)");
+  const int64_t n = check_panel_rows(x, out, bias, w.size(0));
   const bool q8 = w.size(2) == kQ8Bytes;
   const int64_t m = x.size(0), k = x.size(1), panels = w.size(0), blocks = w.size(1);
   TORCH_CHECK_VALUE(k == kBlock * blocks, "x has ", k, " columns, the panels hold ", kBlock * blocks);
-  TORCH_CHECK_VALUE(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == m &&
-                        out.is_contiguous() && out.size(1) > (panels - 1) * kPanel && out.size(1) <= panels * kPanel,
-                    "out must be a contiguous float32 [M, N] tensor, N within the panels' ", panels * kPanel,
-                    " channels");
-  const int64_t n = out.size(1);
-  if (bias) {
-    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                      "bias must be a contiguous float32 [N] tensor");
-  }
   if (m == 0) return;
 #ifdef KVLLM_X86
   std::vector<uint16_t> xb(m * k);
@@ -241,7 +216,6 @@ void quant_panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 
 TORCH_LIBRARY_FRAGMENT(kvllm_cpu, m) {
   m.def("quant_panel_linear(Tensor x, Tensor w_panels, Tensor? bias, Tensor(a!) out) -> ()", &quant_panel_linear);
-  m.def("has_quant_panels() -> bool", &has_quant_panels);
 }
 
 }  // namespace kvllm_cpu

@@ -1,7 +1,7 @@
 """Builds and loads kvllm's CPU kernels as one torch op library: csrc/kvllm_cpu.cpp (paged attention, int8 and packed
 float32 linear), csrc/layer_ops.cpp (RMSNorm, RoPE, SiLU-multiply, K/V writes), csrc/bf16_linear.cpp and
 csrc/quant_panels.cpp (linears on bfloat16 and on quantized panels) and csrc/decoder_layers.cpp (a decoder stack in
-one call through those), with csrc/simd.h and csrc/ops.h.
+one call through those), with csrc/simd.h, csrc/ops.h and csrc/panels.h.
 
 The library is compiled with one direct compiler call (no ninja, no pybind11: the ops are registered with
 TORCH_LIBRARY and loaded with torch.ops.load_library). Its file name carries a hash of the sources, the compile
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "csrc"
 SOURCES = [CSRC / "kvllm_cpu.cpp", CSRC / "layer_ops.cpp", CSRC / "decoder_layers.cpp", CSRC / "bf16_linear.cpp",
            CSRC / "quant_panels.cpp"]
-HEADERS = [CSRC / "simd.h", CSRC / "ops.h"]
+HEADERS = [CSRC / "simd.h", CSRC / "ops.h", CSRC / "panels.h"]
 _NAME = "kvllm_cpu"
 
 _lock = threading.Lock()

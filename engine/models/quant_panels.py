@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from engine.attention import cpu_ext
+from engine.models.bf16_panels import available  # noqa: F401 (the same CPU check: csrc/panels.h)
 from engine.models.gguf_linear import BLOCK, BlockLinear, dequantize
 from engine.models.packed import PANEL, rows_through, split_forward
 
@@ -98,15 +99,6 @@ def unpack_panels(w: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, 
     at = 256 if bits == 4 else 512
     d = scales(at)
     return q, d, (scales(at + 2 * PANEL) if bits == 4 else torch.full_like(d, -0.0))
-
-
-def available() -> str | None:
-    """None when the kernel runs here, else why not (one line)."""
-    try:
-        ops = cpu_ext.load()
-    except cpu_ext.ExtensionUnavailable as exc:
-        return f"the C++ extension is unavailable ({exc})"
-    return None if ops.has_quant_panels() else "the CPU lacks AVX512-BF16"
 
 
 class QuantPanelLinear(nn.Module):
