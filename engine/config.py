@@ -151,8 +151,9 @@ class EngineConfig:
                                        "CPUs with AMX/AVX512-BF16, float32 elsewhere (bf16 matmuls are slow there); "
                                        "a .gguf model on a CPU with AVX512-BF16 runs float32 split by row count: GEMMs "
                                        "of few rows on the file's blocks as quantized panels (4-bit <= 12 rows, 8-bit "
-                                       "<= 8), larger ones on bfloat16 panels, bfloat16 KV pages; bfloat16 there: bfloat16 weights on the panels and KV pages, float32 "
-                                       "activations between the GEMMs")
+                                       "<= 8), larger ones on bfloat16 panels, bfloat16 KV pages; bfloat16 there: "
+                                       "bfloat16 weights on the panels and KV pages, float32 activations between the "
+                                       "GEMMs")
     device: str | None = setting(None, help="cpu, cuda or cuda:N (default: cuda when available)")
     seed: int = setting(0, help="seed of requests that give none")
     quantization: str | None = setting(None, choices=_choices(QUANTIZATIONS),

@@ -2,12 +2,12 @@
 
 The call runs, layer by layer, the kernels the per-layer path (engine/models/llama.py with CpuLayerOps) calls one
 by one: RMSNorm with the residual add, the qkv / o / gate-up / down linears (GGUF blocks, float32 panels or, for a
-bfloat16 model, bfloat16 panels; under a row split, engine/models/row_split.py, quantized panels or the blocks, and their
-bfloat16-panel copies for forwards of more tokens), RoPE, the K/V writes and paged attention, SiLU-multiply, and keeps the post-RoPE queries
-of the rows a compression scorer asks for (`meta.capture`, the cache query source). Same kernels, same order, same
-inputs: the hidden states are bit for bit the per-layer path's. What it removes is the Python between them (module
-calls, argument checks, an output allocation per op), which at a small model's decode step is several
-milliseconds.
+bfloat16 model, bfloat16 panels; under a row split, engine/models/row_split.py, quantized panels or the blocks, and
+their bfloat16-panel copies for forwards of more tokens), RoPE, the K/V writes and paged attention, SiLU-multiply,
+and keeps the post-RoPE queries of the rows a compression scorer asks for (`meta.capture`, the cache query source).
+Same kernels, same order, same inputs: the hidden states are bit for bit the per-layer path's. What it removes is
+the Python between them (module calls, argument checks, an output allocation per op), which at a small model's
+decode step is several milliseconds.
 
 It applies where every one of those kernels would run anyway: a float32 model on the CPU, not split by tensor
 parallelism, without per-head q/k norms (Qwen3), every layer linear a BlockLinear, PackedLinear, Bf16PanelLinear or

@@ -30,8 +30,8 @@ BLOCK_BYTES = {4: 320, 8: 544}
 def as_panel_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     """A layer's blocks (q [N, K], d, m [N, K / 32] float32, w = d * q + m) as (q, d, m, bits) for the panels, the
     same w: 4-bit q in 0..15 (Q4_1 as is; Q4_0's q in -8..7 with m = -0.0 becomes q + 8 with m = -8 d, exact in
-    float16 as d is), 8-bit q in -128..127 with m zero (Q8_0, m = -0.0 as gguf_linear.decode_blocks gives it); None for any other range or where d or m needs more
-    than float16."""
+    float16 as d is), 8-bit q in -128..127 with m zero (Q8_0, m = -0.0 as gguf_linear.decode_blocks gives it); None
+    for any other range or where d or m needs more than float16."""
     lo, hi = int(q.min()), int(q.max())
     offset_free = bool((m == 0).all())
     if 0 <= lo and hi <= 15:
