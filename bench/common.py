@@ -77,6 +77,26 @@ def timed(fn, repeats: int, warmup: bool = True) -> list[float]:
     return out
 
 
+NO_BF16 = "no AVX512-BF16 / AMX"
+
+
+def bf16_features() -> str:
+    """The CPU features that decide both servers' default dtype against vLLM (bfloat16 with either; without, kvllm
+    picks float32 and vLLM still bfloat16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return "?"
+    return ", ".join(x for x in ("avx512_bf16", "amx_tile") if x in flags) or NO_BF16
+
+
+def host_suffix() -> str:
+    """Appended to the title of a vs-vLLM section at the servers' default dtypes on a CPU without AVX512-BF16 or
+    AMX, so that host's table sits beside the bfloat16 hosts' one instead of replacing it."""
+    return ", on a CPU without AVX512-BF16" if bf16_features() == NO_BF16 else ""
+
+
 def cpu_name() -> str:
     """'AMD EPYC (family 26 model 2), AVX-512' from /proc/cpuinfo: the machines of this project change between
     sessions, and a table is only comparable with others from the same CPU."""

@@ -274,7 +274,7 @@ def main() -> None:
     data = {"versions": vllm_version(), "check": check, "quick": args.quick, "memory_requests": args.memory_requests}
     if "matrix" in parts and args.refloor:
         from bench.vs_vllm_matrix import refloor
-        from bench.vs_vllm_matrix_report import SECTION, render as render_matrix
+        from bench.vs_vllm_matrix_report import render as render_matrix, section
 
         mdata = refloor(args, out)
         cmd = "python -m bench.vs_vllm " + " ".join(sys.argv[1:])
@@ -282,7 +282,7 @@ def main() -> None:
         body = f"The floor table remeasured after the run by `{cmd}` (kvllm {at}).\n\n" + render_matrix(mdata)
         print(body)
         if not args.no_write:
-            write_section(SECTION, mdata.get("command", "python -m bench.vs_vllm --parts matrix"), body)
+            write_section(section(), mdata.get("command", "python -m bench.vs_vllm --parts matrix"), body)
         return
     if "matrix" in parts:
         run_matrix(args, tok, out, data["versions"])  # writes its own section

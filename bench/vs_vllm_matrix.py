@@ -27,7 +27,7 @@ from bench import step_floor
 from bench.common import write_section
 from bench.vs_vllm_cells import (CONFIGS, ENDPOINTS, MEMORY, MEMORY_CONFIG, REPRO, cell_named, cell_seed,
                                  plan, reference_prompts, select, sizes)
-from bench.vs_vllm_matrix_report import SECTION, commit, render
+from bench.vs_vllm_matrix_report import commit, render, section
 from bench.vs_vllm_serving import Workload, display, kvllm_server, run_client, vllm_server
 from engine.threads import available_cores
 
@@ -254,6 +254,6 @@ def run(args, tok, out: Path, versions: str) -> dict:
     print(body)
     (out / "matrix_section.md").write_text(body)
     if not (args.quick or args.no_write):
-        write_section(SECTION, data["command"], body)
+        write_section(section(), data["command"], body)
     return data
 

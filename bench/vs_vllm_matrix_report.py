@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import subprocess
 
-from bench.common import cpu_name
+from bench.common import bf16_features, cpu_name, host_suffix
 from bench.vllm_env import ROOT
 from bench.vs_vllm_cells import CONFIGS, MEMORY, MEMORY_CONFIG, REPRO, cell_named
 
@@ -165,21 +165,18 @@ def commit() -> str:
         return "?"
 
 
-def _bf16() -> str:
-    """The CPU features that decide both servers' default dtype (bfloat16 with either, float32 without)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return "?"
-    return ", ".join(x for x in ("avx512_bf16", "amx_tile") if x in flags) or "no AVX512-BF16 / AMX"
+def section() -> str:
+    """This host's section: one for CPUs with AVX512-BF16 or AMX, where both servers default to bfloat16, one for
+    CPUs without, where kvllm defaults to float32 and vLLM to bfloat16 all the same, so a run on one kind of host
+    does not replace the other's table."""
+    return SECTION + host_suffix()
 
 
 def render(data: dict) -> str:
     head = _table(["cell", "config", "kvllm output tok/s", "vLLM output tok/s", "kvllm / vLLM", "target", "verdict"],
                   headline_rows(data), ["---", "---", "--:", "--:", "--:", "---", "---"])
     parts = [
-        f"kvllm {data.get('kvllm') or commit()} vs {data['versions']}; CPU: {cpu_name()} ({_bf16()}); "
+        f"kvllm {data.get('kvllm') or commit()} vs {data['versions']}; CPU: {cpu_name()} ({bf16_features()}); "
         "SmolLM2-135M-Instruct, "
         f"{data['threads']} threads. Every cell is one `vllm bench serve` run (vLLM's client) against each server "
         "in turn, real-text prompts cut from the Python language reference (pydoc_data), ignore_eos, temperature 0; "

@@ -189,3 +189,19 @@ def test_row_split_table_has_a_ratio_per_setting():
     assert "| c | 200.0 (10.0 / 100) | 150.0 (10.0 / 100) | 100.0 (10.0 / 100) | 50.0 (10.0 / 100) | 0.75x | 0.50x " \
            "| 0.25x |" in text
     assert "bfloat16, oneDNN / split 0.50x" in text and "CPU X" in text
+
+
+def test_each_kind_of_host_keeps_its_own_section(monkeypatch):
+    """A run at the default dtypes on a CPU without AVX512-BF16 (kvllm float32, vLLM bfloat16) writes its own
+    section beside the bfloat16 hosts' one, never over it; explicit dtypes keep one section each."""
+    import bench.common as common
+    from bench import vs_vllm_matrix_report as matrix, vs_vllm_report as report
+
+    monkeypatch.setattr(common, "bf16_features", lambda: "avx512_bf16")
+    assert matrix.section() == matrix.SECTION
+    assert report.section("auto") == f"{report.SECTION}, auto"
+    monkeypatch.setattr(common, "bf16_features", lambda: common.NO_BF16)
+    assert matrix.section() == f"{matrix.SECTION}, on a CPU without AVX512-BF16"
+    assert report.section("auto") == f"{report.SECTION}, auto, on a CPU without AVX512-BF16"
+    assert report.section("float32") == report.SECTION
+    assert report.section("bfloat16") == f"{report.SECTION}, bfloat16"
