@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -78,14 +79,37 @@ def offline(args, tok, out: Path, log: list) -> list[dict]:
                        else [sys.executable, "-m", "bench.vs_vllm_offline", "kvllm"])
                 cmd += ["--spec", str(spec_path), "--out", str(res)]
                 env = vllm_env(threads) if engine == "vllm" else None
-                with open(out / f"offline_{engine}_t{threads}{suffix}.log", "w") as f:
-                    subprocess.run(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=True)
-                results.append({**json.loads(res.read_text()), "kv": label,
-                                "kv_cache_dtype": (kvllm_kw if engine == "kvllm" else vllm_kw).get("kv_cache_dtype",
-                                                                                                  "auto")})
+                log_path = out / f"offline_{engine}_t{threads}{suffix}.log"
+                with open(log_path, "w") as f:
+                    proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+                kv_name = (kvllm_kw if engine == "kvllm" else vllm_kw).get("kv_cache_dtype", "auto")
+                if proc.returncode != 0:
+                    reason = refusal(log_path) if engine == "vllm" and label != "default" else None
+                    if reason is None:
+                        raise subprocess.CalledProcessError(proc.returncode, cmd)
+                    # vLLM's CPU build refuses its 8-bit KV on some CPUs: a row that says so, not a failed run
+                    results.append({"engine": engine, "threads": threads, "kv": label, "kv_cache_dtype": kv_name,
+                                    "refused": reason})
+                    print(f"offline {engine} t={threads} {kv_name} KV: refused: {reason}", flush=True)
+                    continue
+                results.append({**json.loads(res.read_text()), "kv": label, "kv_cache_dtype": kv_name})
                 _progress(results[-1])
             log.append(f"offline t={threads} ({label} KV): " + display(cmd))
     return results
+
+
+REFUSAL = re.compile(r"(?:ValueError|NotImplementedError|RuntimeError): (?:Worker failed with error ')?(.+?)'?(?:, "
+                     r"please check.*)?$")
+
+
+def refusal(log_path: Path) -> str | None:
+    """Why vLLM would not start a setting, from its log: the first error its CPU build raises about a KV cache dtype
+    (e.g. "FP8 KV cache on CPU requires x86 with AVX-512 or AMX."), or None if the log names none."""
+    for line in log_path.read_text(errors="replace").splitlines():
+        m = REFUSAL.search(line)
+        if m and "kv cache" in m.group(1).lower():
+            return m.group(1).strip()
+    return None
 
 
 def _progress(r: dict) -> None:
@@ -185,16 +209,24 @@ def memory(args, tok, out: Path, log: list) -> list[dict]:
                                   flags=base + settings[name], dtype=args.dtype) if name.startswith("vllm") else
                       kvllm_server(args.kvllm_model, args.port, threads, log_path, flags=base + settings[name],
                                    dtype=args.dtype))
-            with server:
-                res = out / f"memory_{name}_t{threads}.json"
-                r = run_client("vllm", server, w, args.model_dir, res, out / (res.stem + "_client.log"))
+            try:
+                with server:
+                    res = out / f"memory_{name}_t{threads}.json"
+                    r = run_client("vllm", server, w, args.model_dir, res, out / (res.stem + "_client.log"))
+            except RuntimeError:
+                reason = refusal(log_path) if name.startswith("vllm+") else None
+                if reason is None:
+                    raise
+                rows.append({"threads": threads, "server": name, "refused": reason, "pool_tokens": pool_tokens[name]})
+                print(f"memory {name} t={threads}: refused: {reason}", flush=True)
+                continue
             rows.append({"threads": threads, "server": name, "result": r, "startup_s": server.startup_s,
                          "idle_cores": server.idle_cores, "pool_tokens": pool_tokens[name]})
             print(f"memory {name} t={threads}: {r['completed']} ok / {r['failed']} failed, "
                   f"{r['output_throughput']:.1f} tok/s, preemptions {r['_counters'].get('num_preemptions')}",
                   flush=True)
             log.append(f"memory t={threads} {name}: " + display(server.cmd))
-    log.append("memory client: " + display(rows[0]["result"]["_command"].split()))
+    log.append("memory client: " + display(next(r for r in rows if "result" in r)["result"]["_command"].split()))
     return rows
 
 

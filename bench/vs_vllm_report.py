@@ -64,6 +64,13 @@ def offline_table(results: list[dict]) -> str:
             base = by.get(("vllm", threads, "default"))
             if not (k and v):
                 continue
+            if "refused" in v:  # vLLM would not start this KV dtype here: kvllm's rows against its default only
+                for i, wk in enumerate(k["workloads"]):
+                    vs_base = f"{wk['tok_s'] / base['workloads'][i]['tok_s']:.2f}x" if base else "-"
+                    lines.append(f"| {threads} | {k.get('kv_cache_dtype', 'auto')} / {v['kv_cache_dtype']} | "
+                                 f"{wk['name']} | {wk['tok_s']:.1f} | refused: {v['refused']} | - | {vs_base} | "
+                                 f"{_per_cpu(wk)} | - | {_bound(wk)} | - | - | - |")
+                continue
             for i, (wk, wv) in enumerate(zip(k["workloads"], v["workloads"])):
                 bound = (f"{wk['tok_per_busiest_s'] / wv['tok_per_busiest_s']:.2f}x"
                          if "tok_per_busiest_s" in wk and "tok_per_busiest_s" in wv else "-")
@@ -134,6 +141,10 @@ def memory_table(rows: list[dict]) -> str:
              "server tok per CPU-s (cores) | busiest-thread bound |",
              "|---:|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
+        if "refused" in row:
+            lines.append(f"| {row['threads']} | {row['server']} | {row['pool_tokens']} | refused: {row['refused']} |"
+                         + " - |" * 11)
+            continue
         r, c = row["result"], row["result"]["_counters"]
         base = next((x["result"] for x in rows if x["threads"] == row["threads"] and x["server"] == "vllm"), None)
         ratio = ""
@@ -154,13 +165,13 @@ def memory_table(rows: list[dict]) -> str:
 
 def startup_table(data: dict) -> str:
     lines = ["| part | engine | threads | startup s | CPU cores busy while idle |", "|---|---|---:|---:|---:|"]
-    for r in data.get("offline", []):
+    for r in (r for r in data.get("offline", []) if "startup_s" in r):
         lines.append(f"| offline (engine object ready) | {r['engine']} | {r['threads']} | {r['startup_s']:.0f} | |")
     seen = set()
     for part in ("serving", "memory"):
         for row in data.get(part, []):
             key = (part, row["server"], row["threads"])
-            if key not in seen:
+            if key not in seen and "startup_s" in row:
                 seen.add(key)
                 lines.append(f"| {part} (process start to /health 200) | {row['server']} | {row['threads']} | "
                              f"{row['startup_s']:.0f} | {row.get('idle_cores', float('nan')):.2f} |")
