@@ -306,7 +306,7 @@ def main() -> None:
     data = {"versions": vllm_version(), "check": check, "quick": args.quick, "memory_requests": args.memory_requests}
     if "matrix" in parts and args.refloor:
         from bench.vs_vllm_matrix import refloor
-        from bench.vs_vllm_matrix_report import render as render_matrix, section
+        from bench.vs_vllm_matrix_report import render as render_matrix, section as matrix_section
 
         mdata = refloor(args, out)
         cmd = "python -m bench.vs_vllm " + " ".join(sys.argv[1:])
@@ -314,7 +314,7 @@ def main() -> None:
         body = f"The floor table remeasured after the run by `{cmd}` (kvllm {at}).\n\n" + render_matrix(mdata)
         print(body)
         if not args.no_write:
-            write_section(section(), mdata.get("command", "python -m bench.vs_vllm --parts matrix"), body)
+            write_section(matrix_section(), mdata.get("command", "python -m bench.vs_vllm --parts matrix"), body)
         return
     if "matrix" in parts:
         run_matrix(args, tok, out, data["versions"])  # writes its own section

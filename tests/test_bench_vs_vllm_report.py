@@ -50,3 +50,11 @@ def test_refused_memory_row_keeps_the_table_shape():
     assert all(len(line.split("|")) == len(lines[0].split("|")) for line in lines)
     assert f"refused: {REASON}" in lines[3]
     assert "5.00x meets 4x" in lines[4]  # against vLLM at its default KV dtype, as before
+
+
+def test_main_keeps_the_report_section_reachable():
+    """main() writes its section with vs_vllm_report.section: a local import of another `section` (the matrix
+    report's) made that name local to main, and the run died at its very end with UnboundLocalError."""
+    from bench import vs_vllm
+
+    assert "section" not in vs_vllm.main.__code__.co_varnames
