@@ -146,13 +146,13 @@ def floor_rows(data: dict) -> list[list[str]]:
                f"{f['step_s'] / floor:.2f}x", f"{tpot / floor:.2f}x", f"<= {TARGET_FLOOR:g}x",
                verdict(tpot / floor, TARGET_FLOOR, at_most=True)]
         if share is None:
-            row += ["-"] * 4
+            row += ["-"] * 5
         else:
             with_prefills = f["step_s"] + share * f["prefill_s"]
             floor_with = floor + share * f["prefill_floor_s"]
             row += [f"{f['prompt']}: {1e3 * f['prefill_s']:.0f} ({1e3 * f['prefill_floor_s']:.0f})",
                     f"{1e3 * with_prefills:.1f} ({1e3 * floor_with:.1f})", f"{tpot / with_prefills:.2f}x",
-                    f"{tpot / floor_with:.2f}x"]
+                    f"{tpot / floor_with:.2f}x", f"{floor_with / floor:.2f}x"]
         out.append(row)
     return out
 
@@ -203,12 +203,15 @@ def render(data: dict) -> str:
             "last four columns add that share, concurrency / (output tokens - 1) prefills of the cell's mean prompt "
             "per output token, each prefill measured alone on the idle engine (median of three) and, in brackets, "
             "at its floor, its FLOPs at the GEMM rate; 'TPOT / (step + prefills)' near 1 means the server adds "
-            "nothing of its own):\n\n"
+            "nothing of its own. The last column is the least 'TPOT / floor' the cell's work allows, its step and "
+            "its share of prefills both at their floors: where it is above the target, no server running its "
+            "prefills on the same cores can meet it):\n\n"
             + _table(["cell", "batch x KV slots", "kvllm median TPOT ms", "decode step ms", "floor: GEMM + K/V ms",
                       "step / floor", "TPOT / floor", "target", "verdict", "prompt tokens: prefill ms (floor)",
-                      "step + prefills ms (floor)", "TPOT / (step + prefills)", "TPOT / its floor with prefills"],
+                      "step + prefills ms (floor)", "TPOT / (step + prefills)", "TPOT / its floor with prefills",
+                      "least TPOT / floor the work allows"],
                      floor, ["---", "---", "--:", "--:", "--:", "--:", "--:", "---", "---", "--:", "--:", "--:",
-                             "--:"]))
+                             "--:", "--:"]))
     for config in CONFIGS:
         if any(r["config"] == config for r in data["rows"]):
             parts.append(f"**{config}** ('arrival bound': the output tok/s the arrivals allow, rate x output tokens; "

@@ -126,12 +126,13 @@ def test_headline_marks_each_cell_against_its_target():
     assert head[(f"{MEMORY.name} (kvllm+kara)", "memory")][4:] == ["2.10x", ">= 2x", "meets"]
     assert head[(f"{MEMORY.name} (kvllm)", "memory")][4:] == ["1.50x", "-", "-"]
     (floor,) = [r for r in floor_rows(data) if "defaults" in r[0]]
-    assert floor[5:] == ["1.07x", "1.17x", "<= 1.2x", "meets", "-", "-", "-", "-"]
+    assert floor[5:] == ["1.07x", "1.17x", "<= 1.2x", "meets", "-", "-", "-", "-", "-"]
     # with the prefills TPOT carries: 32 prompts over 17 - 1 output tokens, 5 ms each (floor 2.5 ms):
-    # step 32 + 2 x 5 = 42 ms, floor 30 + 2 x 2.5 = 35 ms; TPOT 35 ms over each
+    # step 32 + 2 x 5 = 42 ms, floor 30 + 2 x 2.5 = 35 ms; TPOT 35 ms over each; the least TPOT the work
+    # allows, 35 ms, over the step's floor of 30 ms
     data["floor"].update(prompt=286, output=17, prefill_s=0.005, prefill_floor_s=0.0025)
     (floor,) = [r for r in floor_rows(data) if "defaults" in r[0]]
-    assert floor[9:] == ["286: 5 (2)", "42.0 (35.0)", "0.83x", "1.00x"]
+    assert floor[9:] == ["286: 5 (2)", "42.0 (35.0)", "0.83x", "1.00x", "1.17x"]
     text = render(data)
     assert text.index("**Headline**") < text.index("**defaults**") < text.index("**memory**")
 
