@@ -6,6 +6,7 @@ import glob
 import os
 import platform
 import statistics
+import subprocess
 from pathlib import Path
 
 LICENSES = "/usr/share/common-licenses"
@@ -112,6 +113,15 @@ def cpu_name() -> str:
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     name = info.get("model name", platform.machine())
     return f"{name} (family {info.get('cpu family', '?')} model {info.get('model', '?')}), {isa}"
+
+
+def commit() -> str:
+    """The checkout's short commit, which labels a run's numbers ('?' outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=DOCS.parent.parent, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
 
 
 def machine() -> str:

