@@ -191,10 +191,9 @@ def render(data: dict) -> str:
             "over one request's output tokens about concurrency other prompts are prefilled on the same cores. The "
             "four columns after the verdict add that share, concurrency / (output tokens - 1) prefills of the cell's "
             "mean prompt per output token, each prefill measured alone on the idle engine (median of three) and, in "
-            "brackets, "
-            "at its floor, its FLOPs at the GEMM rate; 'TPOT / (step + prefills)' near 1 means the server adds "
-            "nothing of its own. The last column is the least 'TPOT / floor' the cell's work allows, its step and "
-            "its share of prefills both at their floors: where it is above the target, no server running its "
+            "brackets, at its floor, its FLOPs at the GEMM rate; 'TPOT / (step + prefills)' near 1 means the server "
+            "adds nothing of its own. The last column is the least 'TPOT / floor' the cell's work allows, its step "
+            "and its share of prefills both at their floors: where it is above the target, no server running its "
             "prefills on the same cores can meet it):\n\n"
             + _table(["cell", "batch x KV slots", "kvllm median TPOT ms", "decode step ms", "floor: GEMM + K/V ms",
                       "step / floor", "TPOT / floor", "target", "verdict", "prompt tokens: prefill ms (floor)",

@@ -132,10 +132,11 @@ def memory_table(rows: list[dict]) -> str:
              "p99 TTFT s | median TPOT ms | p99 TPOT ms | preemptions | swapped blocks | compression rounds | "
              "server tok per CPU-s (cores) | busiest-thread bound |",
              "|---:|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    columns = lines[1].count("|") - 1
     for row in rows:
-        if "refused" in row:
+        if "refused" in row:  # the reason in 'ok / failed', a dash in every column after it
             lines.append(f"| {row['threads']} | {row['server']} | {row['pool_tokens']} | refused: {row['refused']} |"
-                         + " - |" * 11)
+                         + " - |" * (columns - 4))
             continue
         r, c = row["result"], row["result"]["_counters"]
         base = next((x["result"] for x in rows if x["threads"] == row["threads"] and x["server"] == "vllm"), None)
