@@ -314,7 +314,7 @@ def main() -> None:
         body = f"The floor table remeasured after the run by `{cmd}` (kvllm {at}).\n\n" + render_matrix(mdata)
         print(body)
         if not args.no_write:
-            write_section(matrix_section(), mdata.get("command", "python -m bench.vs_vllm --parts matrix"), body)
+            write_section(matrix_section(mdata.get("cells", ())), mdata.get("command", "python -m bench.vs_vllm --parts matrix"), body)
         return
     if "matrix" in parts:
         run_matrix(args, tok, out, data["versions"])  # writes its own section

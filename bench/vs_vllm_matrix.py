@@ -181,17 +181,20 @@ def run_memory(args, tok, out: Path, data: dict) -> None:
 
 def run_floor(args, data: dict) -> None:
     """kvllm's decode step at the batch of the REPRO cell's kvllm run (its concurrency, its mean prompt as the
-    server counted it plus half the output) and that step's floors (bench/step_floor.py), no server running."""
-    row = next((r for r in data["rows"] if r["cell"] == REPRO and r["server"] == "kvllm" and "result" in r), None)
+    server counted it plus half the output) and that step's floors (bench/step_floor.py), no server running; at the
+    defaults' run where there is one, else the explicit one's, at that configuration's dtype."""
+    ran = [r for r in data["rows"] if r["cell"] == REPRO and r["server"] == "kvllm" and "result" in r]
+    row = next((r for r in ran if r["config"] == "defaults"), ran[0] if ran else None)
     if row is None:
         return
+    dtype = EXPLICIT[EXPLICIT.index("--dtype") + 1] if row["config"] == "explicit" else "auto"
     r = row["result"]
     batch = min(cell_named(REPRO).concurrency, r["completed"])
     prompt = round(r["total_input_tokens"] / max(r["completed"], 1))
     output = sizes(cell_named(REPRO), args.quick)[2]
     slots = prompt + output // 2
     try:
-        res = step_floor.run_child(THREADS, 4 if args.quick else 12, dtype="auto",
+        res = step_floor.run_child(THREADS, 4 if args.quick else 12, dtype=dtype,
                                    workloads=[(REPRO, batch, slots)], offline=[], prefills=[(REPRO, prompt)])
     except RuntimeError as err:
         data["errors"].append(f"floor: {err}")
@@ -199,7 +202,7 @@ def run_floor(args, data: dict) -> None:
     gemm, kv = step_floor.floors(res["rates"], res["rows"][0])
     # the prefills a request's TPOT carries: with `batch` requests held running, each one finishing lets one in,
     # so over one request's output tokens about `batch` other prompts are prefilled on the same cores
-    data["floor"] = {"cell": REPRO, "batch": batch, "slots": slots, "dtype": res["dtype"], "rates": res["rates"],
+    data["floor"] = {"cell": REPRO, "config": row["config"], "batch": batch, "slots": slots, "dtype": res["dtype"], "rates": res["rates"],
                      "step_s": res["rows"][0]["step"], "gemm_s": gemm, "kv_s": kv, "threads": THREADS,
                      "prompt": prompt, "output": output, "prefill_s": res["prefills"][0]["wall"],
                      "prefill_floor_s": step_floor.prefill_floor(res["model"], res["rates"], prompt),
@@ -254,6 +257,6 @@ def run(args, tok, out: Path, versions: str) -> dict:
     print(body)
     (out / "matrix_section.md").write_text(body)
     if not (args.quick or args.no_write):
-        write_section(section(), data["command"], body)
+        write_section(section(data["cells"]), data["command"], body)
     return data
 

@@ -133,7 +133,7 @@ def floor_rows(data: dict) -> list[list[str]]:
     floor = f["gemm_s"] + f["kv_s"]
     share = f["batch"] / (f["output"] - 1) if "prefill_s" in f else None  # prompts prefilled per output token
     out = []
-    for config in CONFIGS:
+    for config in CONFIGS if "config" not in f else [f["config"]]:  # runs before the floor named its config: all
         r = results(data).get((config, REPRO, "kvllm"))
         if r is None:
             continue
@@ -154,11 +154,13 @@ def floor_rows(data: dict) -> list[list[str]]:
     return out
 
 
-def section() -> str:
+def section(cells: list[str] | tuple[str, ...] = ()) -> str:
     """This host's section: one for CPUs with AVX512-BF16 or AMX, where both servers default to bfloat16, one for
     CPUs without, where kvllm defaults to float32 and vLLM to bfloat16 all the same, so a run on one kind of host
-    does not replace the other's table."""
-    return SECTION + host_suffix()
+    does not replace the other's table. A run of the explicit cells alone (`cells`: the run's `config/cell` names)
+    has a section of its own, so it does not replace the table at the defaults either."""
+    explicit_only = bool(cells) and all(c.startswith("explicit/") for c in cells)
+    return SECTION + (" at equal explicit settings" if explicit_only else "") + host_suffix()
 
 
 def render(data: dict) -> str:

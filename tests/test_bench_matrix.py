@@ -135,6 +135,36 @@ def test_headline_marks_each_cell_against_its_target():
     assert floor[9:] == ["286: 5 (2)", "42.0 (35.0)", "0.83x", "1.00x", "1.17x"]
     text = render(data)
     assert text.index("**Headline**") < text.index("**defaults**") < text.index("**memory**")
+    # a floor measured for one configuration (its dtype) is held against that configuration's TPOT only
+    assert [r[0] for r in floor_rows(data)] == [f"{REPRO} (defaults)", f"{REPRO} (explicit)"]  # older runs: both
+    data["floor"]["config"] = "explicit"
+    assert [r[0] for r in floor_rows(data)] == [f"{REPRO} (explicit)"]
+
+
+def test_the_floor_is_measured_for_the_defaults_run_else_the_explicit_one(monkeypatch):
+    """run_floor measures the step at the batch of the defaults' REPRO run, at dtype auto; a run of the explicit
+    cells alone gets its floor at the explicit dtype, and names that configuration."""
+    from bench import step_floor, vs_vllm_matrix
+
+    calls = []
+
+    def fake_child(threads, steps, dtype, workloads, offline, prefills):
+        calls.append((dtype, workloads[0][1:]))
+        return {"dtype": dtype, "rates": {"gflops": 100.0, "read_gbs": 10.0}, "model": {},
+                "rows": [{"step": 0.05, "flops": 1e9, "weight_bytes": 1, "kv_bytes": 1e7}], "prefills": [{"wall": 0.3}]}
+
+    monkeypatch.setattr(step_floor, "run_child", fake_child)
+    monkeypatch.setattr(step_floor, "prefill_floor", lambda model, rates, tokens: 0.2)
+    args = Namespace(quick=False)
+    explicit = {"config": "explicit", "cell": REPRO, "server": "kvllm", "result": _result(150.0)}
+    defaults = {"config": "defaults", "cell": REPRO, "server": "kvllm",
+                "result": {**_result(140.0), "total_input_tokens": 4 * 300}}
+    data = {"rows": [explicit, defaults], "errors": []}
+    vs_vllm_matrix.run_floor(args, data)
+    assert calls[-1] == ("auto", (4, 300 + 128)) and data["floor"]["config"] == "defaults"
+    data = {"rows": [explicit], "errors": []}
+    vs_vllm_matrix.run_floor(args, data)
+    assert calls[-1][0] == "bfloat16" and data["floor"]["config"] == "explicit"
 
 
 class _FakeServer:
@@ -203,6 +233,10 @@ def test_each_kind_of_host_keeps_its_own_section(monkeypatch):
     assert report.section("auto") == f"{report.SECTION}, auto"
     monkeypatch.setattr(common, "bf16_features", lambda: common.NO_BF16)
     assert matrix.section() == f"{matrix.SECTION}, on a CPU without AVX512-BF16"
+    # the explicit cells alone do not replace the defaults' table; a run with any other cell is the matrix's
+    assert matrix.section(["explicit/cmpl-short-inf-c1", f"explicit/{REPRO}"]) == \
+        f"{matrix.SECTION} at equal explicit settings, on a CPU without AVX512-BF16"
+    assert matrix.section(["explicit/cmpl-short-inf-c1", f"defaults/{REPRO}"]) == matrix.section()
     assert report.section("auto") == f"{report.SECTION}, auto, on a CPU without AVX512-BF16"
     assert report.section("float32") == report.SECTION
     assert report.section("bfloat16") == f"{report.SECTION}, bfloat16"
