@@ -153,7 +153,8 @@ class EngineConfig:
                                        "of few rows on the file's blocks as quantized panels (4-bit <= 12 rows, 8-bit "
                                        "<= 8), larger ones on bfloat16 panels, bfloat16 KV pages; bfloat16 there: "
                                        "bfloat16 weights on the panels and KV pages, float32 activations between the "
-                                       "GEMMs")
+                                       "GEMMs; bfloat16 on a CPU without bf16 arithmetic: the bfloat16 weights "
+                                       "widened to float32 panels, bfloat16 KV pages, float32 activations")
     device: str | None = setting(None, help="cpu, cuda or cuda:N (default: cuda when available)")
     seed: int = setting(0, help="seed of requests that give none")
     quantization: str | None = setting(None, choices=_choices(QUANTIZATIONS),
@@ -167,8 +168,9 @@ class EngineConfig:
                                      "onednn = bfloat16 weights packed once for oneDNN, torch = F.linear; auto: on an "
                                      "AVX2 CPU gguf for a float32 unquantized model loaded from a .gguf, cpu for any "
                                      "other float32 one; a bfloat16 one on the CPU: bfloat16 panels with float32 "
-                                     "activations where the CPU has AVX512-BF16 (with layer_ops and attention auto), "
-                                     "else onednn")
+                                     "activations where the CPU has AVX512-BF16, else its bfloat16 weights widened to "
+                                     "cpu's float32 panels (both with layer_ops and attention auto); onednn where "
+                                     "neither runs")
     layer_ops: str = setting("auto", choices=_choices(LAYER_OPS),
                              help="RMSNorm (+ residual), RoPE, SiLU-multiply, the greedy argmax: cpu = C++ ops, "
                                   "fused = those and the layers' GEMMs and attention as one C++ call per forward "

@@ -29,7 +29,7 @@ from engine.executor import StepExecutor
 from engine.loader import gguf_file, load_model
 from engine.lossless import LosslessController, LosslessStep
 from engine.model_runner import ModelRunner
-from engine.models import bf16_panels
+from engine.models import bf16_panels, packed
 from engine.models.backends import GEMM_BACKENDS, pick_layer_ops
 from engine.models.quant import QUANTIZATIONS
 from engine.models.row_split import split_rows
@@ -77,6 +77,18 @@ def panels_apply(config: EngineConfig, device: torch.device) -> bool:
             and not row_split_applies(config, device))
 
 
+def widen_applies(config: EngineConfig, device: torch.device) -> bool:
+    """Whether a bfloat16 model (`dtype='bfloat16'`) runs on its bfloat16 weights widened to float32 panels, with
+    float32 activations (engine/models/packed.py `widen_linears`): on a CPU without bf16 arithmetic (no AVX512-BF16,
+    no AMX), whose bf16 GEMMs (torch's, oneDNN's) run about 4x slower than the float32 panels. The weights and the
+    KV pages are bfloat16 as asked; the linears multiply and sum in float32, as a bf16 GEMM accumulates, and their
+    inputs are not rounded to bfloat16 (docs/benchmarks.md, "--dtype bfloat16 on a CPU without bf16 arithmetic")."""
+    return (parse_dtype(config.dtype, device) == torch.bfloat16 and device.type == "cpu"
+            and config.tensor_parallel_size == 1 and config.quantization is None and config.gemm_backend == "auto"
+            and config.layer_ops == "auto" and config.attention_backend in ("auto", "cpu")
+            and not cpu_has_fast_bf16() and packed.kernel_missing() is None)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -84,8 +96,9 @@ class EngineCore:
         self.dtype = parse_dtype(config.dtype, self.device)
         self.row_split = row_split_applies(config, self.device)
         self.panels = panels_apply(config, self.device)
-        if self.row_split or self.panels:  # float32 activations; bf16 GEMMs (for many rows under the row split)
-            self.dtype = torch.float32
+        self.widened = not self.panels and widen_applies(config, self.device)
+        if self.row_split or self.panels or self.widened:  # float32 activations over bf16 weights (or bf16 GEMMs
+            self.dtype = torch.float32                       # for many rows under the row split)
         self.driver = None  # tensor parallelism: rank 0's link to the worker ranks (engine/distributed/driver.py)
         try:
             self._build(config)
@@ -109,13 +122,16 @@ class EngineCore:
             self.model, self.model_config, self.tokenizer, num_blocks, host_blocks = self.driver.start(config,
                                                                                                        self.dtype)
             return num_blocks, host_blocks, DriverKVCacheManager
-        # bfloat16 panels load the model as bfloat16 (no float32 copy of its weights) and make the rest float32
+        # bfloat16 panels load the model as bfloat16 (no float32 copy of its weights) and make the rest float32;
+        # widening loads it as bfloat16 too, so its weights hold the bfloat16 values asked for
         self.model, self.model_config, self.tokenizer = load_model(
-            config.model_source(), torch.bfloat16 if self.panels else self.dtype, self.device)
+            config.model_source(), torch.bfloat16 if self.panels or self.widened else self.dtype, self.device)
         if config.quantization is not None:
             QUANTIZATIONS.get(config.quantization)(self.model)
         if self.panels:
             bf16_panels.panel_linears(self.model)
+        elif self.widened:
+            packed.widen_linears(self.model)
         else:
             GEMM_BACKENDS.get(config.gemm_backend)(self.model, config.quantization is not None)
         if self.row_split:
@@ -127,7 +143,7 @@ class EngineCore:
     def _build(self, config: EngineConfig) -> None:
         # float32 activations over bfloat16 weights: 'auto' KV pages are bfloat16, the dtype the model was given
         self.kv_format = config.resolve_kv_cache_dtype(self.dtype, self.device) if not (
-            (self.row_split or self.panels) and config.kv_cache_dtype == "auto") else kv_format("bfloat16",
+            (self.row_split or self.panels or self.widened) and config.kv_cache_dtype == "auto") else kv_format("bfloat16",
                                                                                                 self.dtype)
         num_blocks, host_blocks, kv_manager = self._load(config)
         self.model.set_layer_ops(pick_layer_ops(config.layer_ops, self.model))
@@ -396,6 +412,9 @@ class EngineCore:
         elif self.panels:
             why = (f" activations ({'auto: this CPU has AVX512-BF16' if c.dtype == 'auto' else 'bfloat16 asked'}: "
                    f"bfloat16 weights on panels, KV pages {self.kv_format.name})")
+        elif self.widened:
+            why = (" activations (bfloat16 asked, on a CPU without bf16 arithmetic: bfloat16 weights widened to "
+                   f"float32 panels, KV pages {self.kv_format.name})")
         elif c.dtype == "auto" and self.device.type == "cpu":
             why = " (auto: this CPU has AVX512-BF16/AMX)" if cpu_has_fast_bf16() else " (auto: no fast bf16 here)"
         # a row split's bf16 copies are submodules of the layers they serve: named beside them, not counted as layers

@@ -170,7 +170,11 @@ def test_engine_gemm_backend_setting(make_engine):
         make_engine(gemm_backend="cpu", quantization="int8")
     with pytest.raises(ValueError, match="gemm_backend='cpu'"):
         make_engine(gemm_backend="cpu", dtype="bfloat16")
-    eng = make_engine(dtype="bfloat16")  # auto: not these float32 panels (oneDNN's packing: test_onednn_linear.py)
-    assert not any(isinstance(m, PackedLinear) for m in eng.model.modules())
+    # auto at bfloat16: these float32 panels (of the bfloat16 weights) only on a CPU without bf16 arithmetic
+    # (test_bf16_widened.py), else the bf16 panels (test_bf16_model_panels.py)
+    from engine.config import cpu_has_fast_bf16
+
+    eng = make_engine(dtype="bfloat16")
+    assert eng.core.widened == any(isinstance(m, PackedLinear) for m in eng.model.modules()) != cpu_has_fast_bf16()
     kw = engine_kwargs_from_args(build_parser().parse_args(["serve", "--gemm-backend", "torch"]))
     assert kw == {"gemm_backend": "torch"}

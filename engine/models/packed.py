@@ -108,18 +108,18 @@ def unsharded_cpu_model(model: nn.Module, dtype: torch.dtype, layers: str) -> st
     return None
 
 
-def can_pack(model: nn.Module) -> str | None:
-    """None when pack_linears(model) can run here, else why not (one line)."""
-    why = unsharded_cpu_model(model, torch.float32, "the kernel is")
-    if why is not None:
-        return why
+def kernel_missing() -> str | None:
+    """None when the packed kernel runs on this host (the C++ extension loads, the CPU has AVX2 + FMA), else why not."""
     try:
         ops = cpu_ext.load()
     except cpu_ext.ExtensionUnavailable as exc:
         return f"the C++ extension is unavailable ({exc})"
-    if not ops.has_avx2():
-        return "the CPU lacks AVX2 + FMA"
-    return None
+    return None if ops.has_avx2() else "the CPU lacks AVX2 + FMA"
+
+
+def can_pack(model: nn.Module) -> str | None:
+    """None when pack_linears(model) can run here, else why not (one line)."""
+    return unsharded_cpu_model(model, torch.float32, "the kernel is") or kernel_missing()
 
 
 def pack_linears(model: nn.Module) -> nn.Module:
@@ -130,6 +130,20 @@ def pack_linears(model: nn.Module) -> nn.Module:
     if why is not None:
         raise ValueError(f"gemm_backend='cpu' cannot run: {why}")
     return swap_linears(model, PackedLinear)
+
+
+def widen_linears(model: nn.Module) -> nn.Module:
+    """In place: a loaded bfloat16 DecoderLM becomes float32 with the same values (bfloat16 -> float32 is exact),
+    every linear layer and the LM head packed (pack_linears); returns the model. For a bfloat16 model on a CPU
+    without bf16 arithmetic (engine/core.py `widen_applies`): the weights are the bfloat16 ones asked for, and the
+    products and sums are float32, as a bf16 GEMM accumulates, on the float32 panels. Raises ValueError where the
+    model is not bfloat16 or the kernel cannot run."""
+    why = unsharded_cpu_model(model, torch.bfloat16, "widening takes") or kernel_missing()
+    if why is not None:
+        raise ValueError(f"bfloat16 weights on float32 panels cannot run: {why}")
+    for p in model.parameters():
+        p.data = p.data.float()
+    return pack_linears(model)
 
 
 def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:

@@ -1,0 +1,114 @@
+"""`dtype='bfloat16'` on a CPU without bf16 arithmetic (engine/core.py `widen_applies`): the model is loaded as
+bfloat16, then widened to float32 with the same values and its linears packed (engine/models/packed.py
+`widen_linears`), float32 activations, bfloat16 KV pages, the fused C++ stack. Checked: which configurations take
+it, what the engine holds, and its teacher-forced log-probabilities against HF transformers in float64 on the same
+bfloat16-rounded weights: within float32 rounding with float32 pages, a few bf16 roundings with bfloat16 pages; the
+float32 model (weights not rounded) is outside that bound, so a widening that skipped the rounding fails."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import cpu_ext
+from engine.config import EngineConfig
+from engine.models import packed
+
+try:
+    cpu_ext.load()
+except cpu_ext.ExtensionUnavailable as exc:
+    pytest.skip(f"C++ extension unavailable: {exc}", allow_module_level=True)
+
+needs_avx2 = pytest.mark.skipif(packed.kernel_missing() is not None, reason=f"{packed.kernel_missing()}")
+
+
+@pytest.fixture
+def no_fast_bf16(monkeypatch):
+    """This host as one without AVX512-BF16 / AMX, whatever it is (the bf16 panels then do not apply)."""
+    import engine.config as config
+    import engine.core as core
+
+    monkeypatch.setattr(core, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
+
+
+def test_which_configurations_widen(monkeypatch, no_fast_bf16, tiny_llama_dir):
+    import engine.core as core
+
+    monkeypatch.setattr(packed, "kernel_missing", lambda: None)
+    cpu, tiny = torch.device("cpu"), str(tiny_llama_dir)
+    assert core.widen_applies(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
+    assert core.widen_applies(EngineConfig(model="smollm2", dtype="bfloat16"), cpu)
+    assert not core.widen_applies(EngineConfig(model=tiny), cpu)  # auto is float32 on such a CPU
+    for change in ({"dtype": "float32"}, {"dtype": "float16"}, {"gemm_backend": "onednn"}, {"gemm_backend": "torch"},
+                   {"gemm_backend": "cpu"}, {"layer_ops": "cpu"}, {"attention_backend": "torch"},
+                   {"quantization": "int8"}, {"tensor_parallel_size": 2}):
+        assert not core.widen_applies(EngineConfig(model=tiny, **{"dtype": "bfloat16", **change}), cpu), change
+    assert not core.widen_applies(EngineConfig(model=tiny, dtype="bfloat16"), torch.device("cuda"))
+    monkeypatch.setattr(packed, "kernel_missing", lambda: "the CPU lacks AVX2 + FMA")
+    assert not core.widen_applies(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
+    monkeypatch.setattr(packed, "kernel_missing", lambda: None)
+    monkeypatch.setattr(core, "cpu_has_fast_bf16", lambda: True)  # there the bf16 panels' path is the one
+    assert not core.widen_applies(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
+
+
+@needs_avx2
+def test_bf16_engine_widens_to_float32_panels(make_engine, tiny_llama_dir, monkeypatch, no_fast_bf16):
+    from transformers import AutoModelForCausalLM
+
+    import engine.core
+    from engine.models.packed import PackedLinear
+
+    loaded = []
+    real_load = engine.core.load_model
+    monkeypatch.setattr(engine.core, "load_model", lambda src, dtype, dev: loaded.append(dtype) or real_load(
+        src, dtype, dev))
+    eng = make_engine(dtype="bfloat16")
+    assert loaded == [torch.bfloat16]  # the weights pass through bfloat16: they hold its values
+    core = eng.core
+    assert core.widened and not core.panels and core.dtype == torch.float32 and core.kv_format.name == "bfloat16"
+    linears = [m for m in core.model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
+    n_layers = core.model_config.num_layers
+    assert len(linears) == 4 * n_layers + 1 and all(isinstance(m, PackedLinear) for m in linears)
+    assert core.model.layer_ops.name == "fused"
+    for p in core.model.parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, p.bfloat16().float())
+    line = core.compute_line()
+    assert f"linear layers: PackedLinear x{4 * n_layers + 1}" in line
+    assert "bfloat16 asked, on a CPU without bf16 arithmetic" in line and "KV pages bfloat16" in line
+
+    # HF in float64 on the bfloat16-rounded weights; the linears' inputs and the activations stay unrounded
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float64).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.bfloat16().double())
+    ctx, cont = [3, 17, 29, 41, 5, 8, 60, 77, 12], [9, 8, 7, 6, 5, 44, 45, 46, 47, 48, 49, 50, 90, 91, 92, 93]
+    with torch.no_grad():
+        logp = hf(torch.tensor([ctx + cont])).logits[0].log_softmax(-1)
+    want = torch.tensor([logp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont)])
+    exact = make_engine(dtype="bfloat16", kv_cache_dtype="float32")
+    assert exact.core.widened and exact.core.kv_format.name == "float32"
+    unrounded = make_engine(dtype="float32")  # what a widening that skipped the bfloat16 rounding would compute
+    errs = {}
+    for name, e in (("bf16 pages", eng), ("float32 pages", exact), ("float32 weights", unrounded)):
+        got = torch.tensor(e.score(ctx, cont, chunk_size=3).prompt_logprobs, dtype=torch.float64)
+        errs[name] = (got - want).abs().max().item()
+    assert errs["float32 pages"] < 1e-4, errs  # float32 arithmetic alone
+    assert errs["bf16 pages"] < 2e-2, errs
+    assert errs["float32 weights"] > 10 * errs["float32 pages"], errs
+
+
+@needs_avx2
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_widen_linears_is_the_float32_model_of_the_same_values(arch):
+    """A widened bfloat16 model and a packed float32 copy of its values give the same logits and recomputed queries
+    bit for bit (the Qwen2 qkv bias included); a model of another dtype is refused, naming why."""
+    from helpers_models import mixed_batch_outputs, tiny_decoder_pair
+
+    c, bf16_model, f32_packed = tiny_decoder_pair(arch, packed.pack_linears, dtype=torch.bfloat16)
+    packed.widen_linears(bf16_model)
+    assert all(p.dtype == torch.float32 for p in bf16_model.parameters())
+    (la, qa), (lb, qb) = mixed_batch_outputs(c, [bf16_model, f32_packed])
+    assert la.dtype == torch.float32 and torch.equal(la, lb) and torch.equal(qa, qb)
+    f32 = tiny_decoder_pair(arch, lambda m: m, dtype=torch.float32)[1]
+    with pytest.raises(ValueError, match="bfloat16 weights on float32 panels cannot run: the model is torch.float32"):
+        packed.widen_linears(f32)
