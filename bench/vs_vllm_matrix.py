@@ -202,7 +202,8 @@ def run_floor(args, data: dict) -> None:
     gemm, kv = step_floor.floors(res["rates"], res["rows"][0])
     # the prefills a request's TPOT carries: with `batch` requests held running, each one finishing lets one in,
     # so over one request's output tokens about `batch` other prompts are prefilled on the same cores
-    data["floor"] = {"cell": REPRO, "config": row["config"], "batch": batch, "slots": slots, "dtype": res["dtype"], "rates": res["rates"],
+    data["floor"] = {"cell": REPRO, "config": row["config"], "batch": batch, "slots": slots, "dtype": res["dtype"],
+                     "rates": res["rates"],
                      "step_s": res["rows"][0]["step"], "gemm_s": gemm, "kv_s": kv, "threads": THREADS,
                      "prompt": prompt, "output": output, "prefill_s": res["prefills"][0]["wall"],
                      "prefill_floor_s": step_floor.prefill_floor(res["model"], res["rates"], prompt),

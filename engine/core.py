@@ -80,9 +80,10 @@ def panels_apply(config: EngineConfig, device: torch.device) -> bool:
 def widen_applies(config: EngineConfig, device: torch.device) -> bool:
     """Whether a bfloat16 model (`dtype='bfloat16'`) runs on its bfloat16 weights widened to float32 panels, with
     float32 activations (engine/models/packed.py `widen_linears`): on a CPU without bf16 arithmetic (no AVX512-BF16,
-    no AMX), whose bf16 GEMMs (torch's, oneDNN's) run about 4x slower than the float32 panels. The weights and the
-    KV pages are bfloat16 as asked; the linears multiply and sum in float32, as a bf16 GEMM accumulates, and their
-    inputs are not rounded to bfloat16 (docs/benchmarks.md, "--dtype bfloat16 on a CPU without bf16 arithmetic")."""
+    no AMX), whose bf16 GEMMs (torch's, oneDNN's) are emulated, several times slower than the float32 panels. The
+    weights and the KV pages are bfloat16 as asked; the linears multiply and sum in float32, as a bf16 GEMM
+    accumulates, and their inputs are not rounded to bfloat16 (docs/benchmarks.md, "--dtype bfloat16 on a CPU
+    without bf16 arithmetic")."""
     return (parse_dtype(config.dtype, device) == torch.bfloat16 and device.type == "cpu"
             and config.tensor_parallel_size == 1 and config.quantization is None and config.gemm_backend == "auto"
             and config.layer_ops == "auto" and config.attention_backend in ("auto", "cpu")
@@ -142,9 +143,9 @@ class EngineCore:
 
     def _build(self, config: EngineConfig) -> None:
         # float32 activations over bfloat16 weights: 'auto' KV pages are bfloat16, the dtype the model was given
-        self.kv_format = config.resolve_kv_cache_dtype(self.dtype, self.device) if not (
-            (self.row_split or self.panels or self.widened) and config.kv_cache_dtype == "auto") else kv_format("bfloat16",
-                                                                                                self.dtype)
+        bf16_weights = self.row_split or self.panels or self.widened
+        self.kv_format = kv_format("bfloat16", self.dtype) if bf16_weights and config.kv_cache_dtype == "auto" \
+            else config.resolve_kv_cache_dtype(self.dtype, self.device)
         num_blocks, host_blocks, kv_manager = self._load(config)
         self.model.set_layer_ops(pick_layer_ops(config.layer_ops, self.model))
         cfg = self.model_config

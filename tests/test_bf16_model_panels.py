@@ -45,8 +45,6 @@ def test_which_configurations_take_panels(monkeypatch, tiny_llama_dir):
 
 @pytest.mark.skipif(bf16_panels.available() is not None, reason=f"no bf16 panels here: {bf16_panels.available()}")
 def test_bf16_engine_runs_on_panels_closer_to_float64_than_onednn(make_engine, tiny_llama_dir, monkeypatch):
-    from transformers import AutoModelForCausalLM
-
     import engine.core
     from engine.models.bf16_panels import Bf16PanelLinear
     from engine.models.onednn import OneDnnLinear
@@ -72,23 +70,13 @@ def test_bf16_engine_runs_on_panels_closer_to_float64_than_onednn(make_engine, t
 
     # HF in float64 with what the panels round: every weight (the model is loaded as bfloat16) and each linear's
     # input (vdpbf16ps multiplies bfloat16 pairs, accumulating in float32); activations, attention stay unrounded
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float64).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.copy_(p.bfloat16().double())
-    for m in hf.modules():
-        if isinstance(m, torch.nn.Linear):
-            m.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().double(),))
-    ctx, cont = [3, 17, 29, 41, 5, 8, 60, 77, 12], [9, 8, 7, 6, 5, 44, 45, 46, 47, 48, 49, 50, 90, 91, 92, 93]
-    with torch.no_grad():
-        logp = hf(torch.tensor([ctx + cont])).logits[0].log_softmax(-1)
-    want = torch.tensor([logp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont)])
+    from helpers_models import hf_bf16_weight_logprobs, max_logprob_error
+
+    want = hf_bf16_weight_logprobs(tiny_llama_dir, round_linear_inputs=True)
     exact = make_engine(dtype="bfloat16", kv_cache_dtype="float32")
     assert exact.core.panels and exact.core.kv_format.name == "float32"
-    errs = {}
-    for name, e in (("panels", eng), ("panels, float32 pages", exact), ("onednn", onednn)):
-        got = torch.tensor(e.score(ctx, cont, chunk_size=3).prompt_logprobs, dtype=torch.float64)
-        errs[name] = (got - want).abs().max().item()
+    errs = {name: max_logprob_error(e, want)
+            for name, e in (("panels", eng), ("panels, float32 pages", exact), ("onednn", onednn))}
     # with float32 pages only float32 arithmetic separates it from the reference, and the GEMM inputs it tips to
     # the other bf16 neighbour (a wrong channel is off by ~0.8); bfloat16 pages add their rounding, and oneDNN's
     # path rounds every activation too
@@ -100,17 +88,11 @@ def test_bf16_engine_runs_on_panels_closer_to_float64_than_onednn(make_engine, t
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_panel_linears_takes_a_float32_or_bfloat16_model_alike(arch):
     """A bfloat16 model and a float32 copy of its values become the same float32 model on the same panels (logits
-    and recomputed queries bit for bit, the Qwen2 qkv bias included); another dtype is refused, naming why."""
-    from helpers_models import mixed_batch_outputs, tiny_decoder_pair
+    and recomputed queries bit for bit); another dtype is refused, naming why."""
+    from helpers_models import assert_converts_to_the_float32_model
 
-    c, bf16_model, f32_model = tiny_decoder_pair(arch, bf16_panels.panel_linears, dtype=torch.bfloat16)
-    bf16_panels.panel_linears(bf16_model)
-    assert all(p.dtype == torch.float32 for p in bf16_model.parameters())
-    (la, qa), (lb, qb) = mixed_batch_outputs(c, [bf16_model, f32_model])
-    assert la.dtype == torch.float32 and torch.equal(la, lb) and torch.equal(qa, qb)
-    half = tiny_decoder_pair(arch, lambda m: m, dtype=torch.float16)[1]
-    with pytest.raises(ValueError, match="bfloat16 panels cannot run: the model is torch.float16"):
-        bf16_panels.panel_linears(half)
+    assert_converts_to_the_float32_model(arch, bf16_panels.panel_linears, bf16_panels.panel_linears, torch.float16,
+                                         "bfloat16 panels cannot run: the model is torch.float16")
 
 
 @pytest.mark.skipif(bf16_panels.available() is not None, reason=f"no bf16 panels here: {bf16_panels.available()}")

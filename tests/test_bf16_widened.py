@@ -53,8 +53,6 @@ def test_which_configurations_widen(monkeypatch, no_fast_bf16, tiny_llama_dir):
 
 @needs_avx2
 def test_bf16_engine_widens_to_float32_panels(make_engine, tiny_llama_dir, monkeypatch, no_fast_bf16):
-    from transformers import AutoModelForCausalLM
-
     import engine.core
     from engine.models.packed import PackedLinear
 
@@ -77,21 +75,14 @@ def test_bf16_engine_widens_to_float32_panels(make_engine, tiny_llama_dir, monke
     assert "bfloat16 asked, on a CPU without bf16 arithmetic" in line and "KV pages bfloat16" in line
 
     # HF in float64 on the bfloat16-rounded weights; the linears' inputs and the activations stay unrounded
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float64).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.copy_(p.bfloat16().double())
-    ctx, cont = [3, 17, 29, 41, 5, 8, 60, 77, 12], [9, 8, 7, 6, 5, 44, 45, 46, 47, 48, 49, 50, 90, 91, 92, 93]
-    with torch.no_grad():
-        logp = hf(torch.tensor([ctx + cont])).logits[0].log_softmax(-1)
-    want = torch.tensor([logp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont)])
+    from helpers_models import hf_bf16_weight_logprobs, max_logprob_error
+
+    want = hf_bf16_weight_logprobs(tiny_llama_dir, round_linear_inputs=False)
     exact = make_engine(dtype="bfloat16", kv_cache_dtype="float32")
     assert exact.core.widened and exact.core.kv_format.name == "float32"
     unrounded = make_engine(dtype="float32")  # what a widening that skipped the bfloat16 rounding would compute
-    errs = {}
-    for name, e in (("bf16 pages", eng), ("float32 pages", exact), ("float32 weights", unrounded)):
-        got = torch.tensor(e.score(ctx, cont, chunk_size=3).prompt_logprobs, dtype=torch.float64)
-        errs[name] = (got - want).abs().max().item()
+    errs = {name: max_logprob_error(e, want)
+            for name, e in (("bf16 pages", eng), ("float32 pages", exact), ("float32 weights", unrounded))}
     assert errs["float32 pages"] < 1e-4, errs  # float32 arithmetic alone
     assert errs["bf16 pages"] < 2e-2, errs
     assert errs["float32 weights"] > 10 * errs["float32 pages"], errs
@@ -101,14 +92,8 @@ def test_bf16_engine_widens_to_float32_panels(make_engine, tiny_llama_dir, monke
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_widen_linears_is_the_float32_model_of_the_same_values(arch):
     """A widened bfloat16 model and a packed float32 copy of its values give the same logits and recomputed queries
-    bit for bit (the Qwen2 qkv bias included); a model of another dtype is refused, naming why."""
-    from helpers_models import mixed_batch_outputs, tiny_decoder_pair
+    bit for bit; a float32 model is refused, naming why."""
+    from helpers_models import assert_converts_to_the_float32_model
 
-    c, bf16_model, f32_packed = tiny_decoder_pair(arch, packed.pack_linears, dtype=torch.bfloat16)
-    packed.widen_linears(bf16_model)
-    assert all(p.dtype == torch.float32 for p in bf16_model.parameters())
-    (la, qa), (lb, qb) = mixed_batch_outputs(c, [bf16_model, f32_packed])
-    assert la.dtype == torch.float32 and torch.equal(la, lb) and torch.equal(qa, qb)
-    f32 = tiny_decoder_pair(arch, lambda m: m, dtype=torch.float32)[1]
-    with pytest.raises(ValueError, match="bfloat16 weights on float32 panels cannot run: the model is torch.float32"):
-        packed.widen_linears(f32)
+    assert_converts_to_the_float32_model(arch, packed.widen_linears, packed.pack_linears, torch.float32,
+                                         "bfloat16 weights on float32 panels cannot run: the model is torch.float32")
