@@ -1,16 +1,18 @@
-"""`--dtype bfloat16` on this CPU: what `auto` runs it on against the other ways kvllm can, side by side in one run.
+"""`--dtype bfloat16` / `float16` on this CPU: what `auto` runs them on against F.linear in that dtype, side by side
+in one run.
 
     python -m bench.bf16_widen [--repeats 3] [--no-write]
 
-A vLLM user's launch line may carry `--dtype bfloat16`. On a CPU without bf16 arithmetic (no AVX512-BF16, no AMX)
-torch's and oneDNN's bf16 GEMMs emulate it; kvllm's `auto` there widens the bfloat16 weights to its float32 panels
-(engine/core.py `widen_applies`), and on a CPU with AVX512-BF16 runs them on bfloat16 panels (`panels_apply`).
-Engines, all through the public `Engine` API, alive together and run in turn each repeat: `dtype="bfloat16"` (what
-`auto` picks here, named by its startup line), `dtype="bfloat16", gemm_backend="torch"` (F.linear in bfloat16, the
-earlier pick on such a CPU), and `dtype="float32"` (the default here). Workloads, real-text prompts, greedy,
-ignore_eos: one sequence decoding (1 x 128/128), a batch (32 x 128/128, all at once), prefill (4 x 1024 prompt
-tokens, one output token each). Reported: output (prefill: prompt) tokens/s, the median over repeats, and the ratio
-to the bfloat16 F.linear engine; and of 8 prompts, how many 64-token greedy continuations equal float32's.
+A vLLM user's launch line may carry `--dtype bfloat16` or `--dtype half`. On a CPU without bf16 arithmetic (no
+AVX512-BF16, no AMX) torch's and oneDNN's bf16 GEMMs emulate it, and torch's float16 GEMMs on the CPU are as slow;
+kvllm's `auto` then widens the weights to its float32 panels (engine/core.py `widen_applies`; bfloat16 on a CPU
+with AVX512-BF16 runs on bfloat16 panels instead, `panels_apply`). Engines, all through the public `Engine` API,
+alive together and run in turn each repeat: for each of bfloat16 and float16, `dtype=...` (what `auto` picks here,
+named by its startup line) and `dtype=..., gemm_backend="torch"` (F.linear in that dtype, the earlier pick); and
+`dtype="float32"` (the default here). Workloads, real-text prompts, greedy, ignore_eos: one sequence decoding
+(1 x 128/128), a batch (32 x 128/128, all at once), prefill (4 x 1024 prompt tokens, one output token each).
+Reported: output (prefill: prompt) tokens/s, the median over repeats, and the ratio to F.linear in the row's dtype
+(float32: to F.linear in bfloat16); and of 8 prompts, how many 64-token greedy continuations equal float32's.
 """
 from __future__ import annotations
 
@@ -25,11 +27,18 @@ configure_threads(2)
 from bench.common import commit, median, text_prompts, write_section  # noqa: E402
 from engine import Engine, SamplingParams  # noqa: E402
 
-SECTION = "--dtype bfloat16 on a CPU without bf16 arithmetic"
+SECTION = "--dtype bfloat16 / float16 on a CPU without their arithmetic"
 ENGINES = [("bfloat16 (auto's pick)", {"dtype": "bfloat16"}),
            ("bfloat16, F.linear (gemm_backend torch)", {"dtype": "bfloat16", "gemm_backend": "torch"}),
+           ("float16 (auto's pick)", {"dtype": "float16"}),
+           ("float16, F.linear (gemm_backend torch)", {"dtype": "float16", "gemm_backend": "torch"}),
            ("float32", {"dtype": "float32"})]
-BASE = ENGINES[1][0]
+
+
+def base_of(name: str) -> str:
+    """The F.linear engine a row's ratio is taken to: its own dtype's (float32's: bfloat16's)."""
+    dtype = "float16" if name.startswith("float16") else "bfloat16"
+    return f"{dtype}, F.linear (gemm_backend torch)"
 # (name, prompts, prompt tokens, output tokens, counted tokens: "output" or "prompt")
 WORKLOADS = [("decode, 1 x 128/128", 1, 128, 128, "output"), ("batch, 32 x 128/128", 32, 128, 128, "output"),
              ("prefill, 4 x 1024/1", 4, 1024, 1, "prompt")]
@@ -75,15 +84,15 @@ def main() -> None:
     for name, _ in ENGINES:
         cells = []
         for w in WORKLOADS:
-            m, base = median(rates[(name, w[0])]), median(rates[(BASE, w[0])])
+            m, base = median(rates[(name, w[0])]), median(rates[(base_of(name), w[0])])
             cells.append(f"{m:.1f} ({m / base:.2f}x)")
         same = sum(a == b for a, b in zip(ids[name], ids["float32"]))
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {same} / {len(prompts)} |")
     body = "\n".join(lines) + (
         f"\n\nkvllm {commit()}, SmolLM2-135M-Instruct (the .gguf, `Engine(model=\"smollm2\")`), 2 threads, KV pool "
-        "2 GiB, prefix caching off, max_num_seqs 64, max_num_batched_tokens 2048. In brackets: the ratio to the "
-        f"'{BASE}' engine. Median of {args.repeats} runs, the engines alive together and run in turn. What each "
-        "engine ran, from its startup line:\n\n" + "\n".join(f"- {name}: {line}" for name, line in picked.items())
+        "2 GiB, prefix caching off, max_num_seqs 64, max_num_batched_tokens 2048. In brackets: the ratio to F.linear "
+        f"in the row's dtype (float32's: to F.linear in bfloat16). Median of {args.repeats} runs, the engines alive "
+        "together and run in turn. What each engine ran, from its startup line:\n\n" + "\n".join(f"- {name}: {line}" for name, line in picked.items())
         + f"\n\nGreedy: 8 real-text prompts of 32 tokens, 64 new tokens each. {time.time() - t0:.0f} s.")
     print(body)
     if not args.no_write:

@@ -78,16 +78,16 @@ def panels_apply(config: EngineConfig, device: torch.device) -> bool:
 
 
 def widen_applies(config: EngineConfig, device: torch.device) -> bool:
-    """Whether a bfloat16 model (`dtype='bfloat16'`) runs on its bfloat16 weights widened to float32 panels, with
-    float32 activations (engine/models/packed.py `widen_linears`): on a CPU without bf16 arithmetic (no AVX512-BF16,
-    no AMX), whose bf16 GEMMs (torch's, oneDNN's) are emulated, several times slower than the float32 panels. The
-    weights and the KV pages are bfloat16 as asked; the linears multiply and sum in float32, as a bf16 GEMM
-    accumulates, and their inputs are not rounded to bfloat16 (docs/benchmarks.md, "--dtype bfloat16 on a CPU
-    without bf16 arithmetic")."""
-    return (parse_dtype(config.dtype, device) == torch.bfloat16 and device.type == "cpu"
-            and config.tensor_parallel_size == 1 and config.quantization is None and config.gemm_backend == "auto"
-            and config.layer_ops == "auto" and config.attention_backend in ("auto", "cpu")
-            and not cpu_has_fast_bf16() and packed.kernel_missing() is None)
+    """Whether a half-precision model runs on its weights widened to float32 panels and float32 activations
+    (engine/models/packed.py `widen_linears`): bfloat16 where the CPU has no bf16 arithmetic (no AVX512-BF16 or AMX:
+    torch and oneDNN emulate it, several times slower), float16 on any CPU (kvllm has no float16 GEMM there). Weights
+    and KV pages keep the dtype asked (docs/benchmarks.md, "--dtype bfloat16 / float16 on a CPU without their
+    arithmetic")."""
+    dtype = parse_dtype(config.dtype, device)
+    half = dtype == torch.float16 or (dtype == torch.bfloat16 and not cpu_has_fast_bf16())
+    return (half and device.type == "cpu" and config.tensor_parallel_size == 1 and config.quantization is None
+            and config.gemm_backend == "auto" and config.layer_ops == "auto"
+            and config.attention_backend in ("auto", "cpu") and packed.kernel_missing() is None)
 
 
 class EngineCore:
@@ -98,8 +98,10 @@ class EngineCore:
         self.row_split = row_split_applies(config, self.device)
         self.panels = panels_apply(config, self.device)
         self.widened = not self.panels and widen_applies(config, self.device)
-        if self.row_split or self.panels or self.widened:  # float32 activations over bf16 weights (or bf16 GEMMs
-            self.dtype = torch.float32                       # for many rows under the row split)
+        # where activations are float32 over half-precision weights (or the row split's bf16 copies): their dtype
+        self.weight_dtype = torch.bfloat16 if self.row_split or self.panels else self.dtype
+        if self.row_split or self.panels or self.widened:
+            self.dtype = torch.float32
         self.driver = None  # tensor parallelism: rank 0's link to the worker ranks (engine/distributed/driver.py)
         try:
             self._build(config)
@@ -123,10 +125,9 @@ class EngineCore:
             self.model, self.model_config, self.tokenizer, num_blocks, host_blocks = self.driver.start(config,
                                                                                                        self.dtype)
             return num_blocks, host_blocks, DriverKVCacheManager
-        # bfloat16 panels load the model as bfloat16 (no float32 copy of its weights) and make the rest float32;
-        # widening loads it as bfloat16 too, so its weights hold the bfloat16 values asked for
+        # panels and widening load the weights in their half dtype (their values; the panels: no float32 copy)
         self.model, self.model_config, self.tokenizer = load_model(
-            config.model_source(), torch.bfloat16 if self.panels or self.widened else self.dtype, self.device)
+            config.model_source(), self.weight_dtype if self.panels or self.widened else self.dtype, self.device)
         if config.quantization is not None:
             QUANTIZATIONS.get(config.quantization)(self.model)
         if self.panels:
@@ -142,10 +143,10 @@ class EngineCore:
                 config.host_blocks(self.model_config, self.kv_format), KVCacheManager)
 
     def _build(self, config: EngineConfig) -> None:
-        # float32 activations over bfloat16 weights: 'auto' KV pages are bfloat16, the dtype the model was given
-        bf16_weights = self.row_split or self.panels or self.widened
-        self.kv_format = kv_format("bfloat16", self.dtype) if bf16_weights and config.kv_cache_dtype == "auto" \
-            else config.resolve_kv_cache_dtype(self.dtype, self.device)
+        # float32 activations over half-precision weights: 'auto' KV pages are the weights' dtype, the model's
+        self.kv_format = kv_format(str(self.weight_dtype).removeprefix("torch."), self.dtype) if (
+            self.weight_dtype != self.dtype and config.kv_cache_dtype == "auto") else config.resolve_kv_cache_dtype(
+            self.dtype, self.device)
         num_blocks, host_blocks, kv_manager = self._load(config)
         self.model.set_layer_ops(pick_layer_ops(config.layer_ops, self.model))
         cfg = self.model_config
@@ -414,8 +415,10 @@ class EngineCore:
             why = (f" activations ({'auto: this CPU has AVX512-BF16' if c.dtype == 'auto' else 'bfloat16 asked'}: "
                    f"bfloat16 weights on panels, KV pages {self.kv_format.name})")
         elif self.widened:
-            why = (" activations (bfloat16 asked, on a CPU without bf16 arithmetic: bfloat16 weights widened to "
-                   f"float32 panels, KV pages {self.kv_format.name})")
+            name = str(self.weight_dtype).removeprefix("torch.")
+            cpu = "on a CPU without bf16 arithmetic" if name == "bfloat16" else "kvllm has no float16 GEMM on the CPU"
+            why = (f" activations ({name} asked, {cpu}: {name} weights widened to float32 panels, KV pages "
+                   f"{self.kv_format.name})")
         elif c.dtype == "auto" and self.device.type == "cpu":
             why = " (auto: this CPU has AVX512-BF16/AMX)" if cpu_has_fast_bf16() else " (auto: no fast bf16 here)"
         # a row split's bf16 copies are submodules of the layers they serve: named beside them, not counted as layers

@@ -155,19 +155,19 @@ def tiny_decoder_pair(arch: str, transform, std: float = 0.1, dtype=torch.float3
 CTX, CONT = [3, 17, 29, 41, 5, 8, 60, 77, 12], [9, 8, 7, 6, 5, 44, 45, 46, 47, 48, 49, 50, 90, 91, 92, 93]
 
 
-def hf_bf16_weight_logprobs(model_dir, round_linear_inputs: bool) -> torch.Tensor:
-    """HF transformers in float64 on the model's weights rounded to bfloat16 (and, with `round_linear_inputs`, each
+def hf_bf16_weight_logprobs(model_dir, round_linear_inputs: bool, dtype=torch.bfloat16) -> torch.Tensor:
+    """HF transformers in float64 on the model's weights rounded to `dtype` (and, with `round_linear_inputs`, each
     linear layer's input too): the log-probabilities of CONT after CTX."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float64).eval()
     with torch.no_grad():
         for p in hf.parameters():
-            p.copy_(p.bfloat16().double())
+            p.copy_(p.to(dtype).double())
     if round_linear_inputs:
         for m in hf.modules():
             if isinstance(m, torch.nn.Linear):
-                m.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().double(),))
+                m.register_forward_pre_hook(lambda _, args: (args[0].to(dtype).double(),))
     with torch.no_grad():
         logp = hf(torch.tensor([CTX + CONT])).logits[0].log_softmax(-1)
     return torch.tensor([logp[len(CTX) - 1 + i, t].item() for i, t in enumerate(CONT)])
@@ -179,16 +179,17 @@ def max_logprob_error(engine, want: torch.Tensor) -> float:
     return (got - want).abs().max().item()
 
 
-def assert_converts_to_the_float32_model(arch: str, convert, reference, refused_dtype, refused: str) -> None:
-    """`convert` (in place) of a tiny bfloat16 model and `reference` of a float32 copy of its values give the same
+def assert_converts_to_the_float32_model(arch: str, convert, reference, refused_dtype, refused: str,
+                                         dtype=torch.bfloat16) -> None:
+    """`convert` (in place) of a tiny `dtype` model and `reference` of a float32 copy of its values give the same
     float32 logits and recomputed queries, bit for bit (the Qwen2 qkv bias included); `convert` refuses a model of
     `refused_dtype` with a ValueError matching `refused`."""
     import pytest
 
-    c, bf16_model, ref = tiny_decoder_pair(arch, reference, dtype=torch.bfloat16)
-    convert(bf16_model)
-    assert all(p.dtype == torch.float32 for p in bf16_model.parameters())
-    (la, qa), (lb, qb) = mixed_batch_outputs(c, [bf16_model, ref])
+    c, half, ref = tiny_decoder_pair(arch, reference, dtype=dtype)
+    convert(half)
+    assert all(p.dtype == torch.float32 for p in half.parameters())
+    (la, qa), (lb, qb) = mixed_batch_outputs(c, [half, ref])
     assert la.dtype == torch.float32 and torch.equal(la, lb) and torch.equal(qa, qb)
     other = tiny_decoder_pair(arch, lambda m: m, dtype=refused_dtype)[1]
     with pytest.raises(ValueError, match=refused):

@@ -1,9 +1,10 @@
-"""`dtype='bfloat16'` on a CPU without bf16 arithmetic (engine/core.py `widen_applies`): the model is loaded as
-bfloat16, then widened to float32 with the same values and its linears packed (engine/models/packed.py
-`widen_linears`), float32 activations, bfloat16 KV pages, the fused C++ stack. Checked: which configurations take
-it, what the engine holds, and its teacher-forced log-probabilities against HF transformers in float64 on the same
-bfloat16-rounded weights: within float32 rounding with float32 pages, a few bf16 roundings with bfloat16 pages; the
-float32 model (weights not rounded) is outside that bound, so a widening that skipped the rounding fails."""
+"""`dtype='bfloat16'` on a CPU without bf16 arithmetic, and `dtype='float16'` on any CPU (engine/core.py
+`widen_applies`): the model is loaded in that dtype, then widened to float32 with the same values and its linears
+packed (engine/models/packed.py `widen_linears`), float32 activations, KV pages of that dtype, the fused C++ stack.
+Checked: which configurations take it, what the engine holds, and its teacher-forced log-probabilities against HF
+transformers in float64 on the same rounded weights: within float32 rounding with float32 pages, a few roundings
+with half-precision pages; the float32 model (weights not rounded) is outside that bound, so a widening that
+skipped the rounding fails."""
 from __future__ import annotations
 
 import pytest
@@ -38,8 +39,9 @@ def test_which_configurations_widen(monkeypatch, no_fast_bf16, tiny_llama_dir):
     cpu, tiny = torch.device("cpu"), str(tiny_llama_dir)
     assert core.widen_applies(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
     assert core.widen_applies(EngineConfig(model="smollm2", dtype="bfloat16"), cpu)
+    assert core.widen_applies(EngineConfig(model=tiny, dtype="float16"), cpu)
     assert not core.widen_applies(EngineConfig(model=tiny), cpu)  # auto is float32 on such a CPU
-    for change in ({"dtype": "float32"}, {"dtype": "float16"}, {"gemm_backend": "onednn"}, {"gemm_backend": "torch"},
+    for change in ({"dtype": "float32"}, {"gemm_backend": "onednn"}, {"gemm_backend": "torch"},
                    {"gemm_backend": "cpu"}, {"layer_ops": "cpu"}, {"attention_backend": "torch"},
                    {"quantization": "int8"}, {"tensor_parallel_size": 2}):
         assert not core.widen_applies(EngineConfig(model=tiny, **{"dtype": "bfloat16", **change}), cpu), change
@@ -49,10 +51,12 @@ def test_which_configurations_widen(monkeypatch, no_fast_bf16, tiny_llama_dir):
     monkeypatch.setattr(packed, "kernel_missing", lambda: None)
     monkeypatch.setattr(core, "cpu_has_fast_bf16", lambda: True)  # there the bf16 panels' path is the one
     assert not core.widen_applies(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
+    assert core.widen_applies(EngineConfig(model=tiny, dtype="float16"), cpu)  # no float16 GEMM anywhere
 
 
 @needs_avx2
-def test_bf16_engine_widens_to_float32_panels(make_engine, tiny_llama_dir, monkeypatch, no_fast_bf16):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_engine_widens_to_float32_panels(make_engine, tiny_llama_dir, monkeypatch, no_fast_bf16, dtype):
     import engine.core
     from engine.models.packed import PackedLinear
 
@@ -60,40 +64,44 @@ def test_bf16_engine_widens_to_float32_panels(make_engine, tiny_llama_dir, monke
     real_load = engine.core.load_model
     monkeypatch.setattr(engine.core, "load_model", lambda src, dtype, dev: loaded.append(dtype) or real_load(
         src, dtype, dev))
-    eng = make_engine(dtype="bfloat16")
-    assert loaded == [torch.bfloat16]  # the weights pass through bfloat16: they hold its values
+    half = getattr(torch, dtype)
+    eng = make_engine(dtype=dtype)
+    assert loaded == [half]  # the weights pass through that dtype: they hold its values
     core = eng.core
-    assert core.widened and not core.panels and core.dtype == torch.float32 and core.kv_format.name == "bfloat16"
+    assert core.widened and not core.panels and core.dtype == torch.float32 and core.kv_format.name == dtype
     linears = [m for m in core.model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
     n_layers = core.model_config.num_layers
     assert len(linears) == 4 * n_layers + 1 and all(isinstance(m, PackedLinear) for m in linears)
     assert core.model.layer_ops.name == "fused"
     for p in core.model.parameters():
-        assert p.dtype == torch.float32 and torch.equal(p, p.bfloat16().float())
+        assert p.dtype == torch.float32 and torch.equal(p, p.to(half).float())
     line = core.compute_line()
     assert f"linear layers: PackedLinear x{4 * n_layers + 1}" in line
-    assert "bfloat16 asked, on a CPU without bf16 arithmetic" in line and "KV pages bfloat16" in line
+    assert f"{dtype} asked" in line and f"KV pages {dtype}" in line
+    assert ("on a CPU without bf16 arithmetic" if dtype == "bfloat16" else "no float16 GEMM on the CPU") in line
 
     # HF in float64 on the bfloat16-rounded weights; the linears' inputs and the activations stay unrounded
     from helpers_models import hf_bf16_weight_logprobs, max_logprob_error
 
-    want = hf_bf16_weight_logprobs(tiny_llama_dir, round_linear_inputs=False)
-    exact = make_engine(dtype="bfloat16", kv_cache_dtype="float32")
+    want = hf_bf16_weight_logprobs(tiny_llama_dir, round_linear_inputs=False, dtype=half)
+    exact = make_engine(dtype=dtype, kv_cache_dtype="float32")
     assert exact.core.widened and exact.core.kv_format.name == "float32"
     unrounded = make_engine(dtype="float32")  # what a widening that skipped the bfloat16 rounding would compute
     errs = {name: max_logprob_error(e, want)
-            for name, e in (("bf16 pages", eng), ("float32 pages", exact), ("float32 weights", unrounded))}
+            for name, e in (("half pages", eng), ("float32 pages", exact), ("float32 weights", unrounded))}
     assert errs["float32 pages"] < 1e-4, errs  # float32 arithmetic alone
-    assert errs["bf16 pages"] < 2e-2, errs
+    assert errs["half pages"] < 2e-2, errs
     assert errs["float32 weights"] > 10 * errs["float32 pages"], errs
 
 
 @needs_avx2
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_widen_linears_is_the_float32_model_of_the_same_values(arch):
-    """A widened bfloat16 model and a packed float32 copy of its values give the same logits and recomputed queries
-    bit for bit; a float32 model is refused, naming why."""
+def test_widen_linears_is_the_float32_model_of_the_same_values(arch, dtype):
+    """A widened bfloat16 or float16 model and a packed float32 copy of its values give the same logits and
+    recomputed queries bit for bit; a float32 model is refused, naming why."""
     from helpers_models import assert_converts_to_the_float32_model
 
     assert_converts_to_the_float32_model(arch, packed.widen_linears, packed.pack_linears, torch.float32,
-                                         "bfloat16 weights on float32 panels cannot run: the model is torch.float32")
+                                         "half-precision weights on float32 panels cannot run: the model is "
+                                         "torch.float32, widening takes bfloat16 or float16", dtype=dtype)

@@ -156,7 +156,8 @@ def test_which_models_run_fused(make_engine):
     assert auto.sampler.argmax == auto.model.layer_ops.argmax
     assert make_engine(layer_ops="cpu").core.model.layer_ops.name == "cpu"
     assert make_engine(gemm_backend="torch").core.model.layer_ops.name == "cpu"  # auto falls back
-    assert type(make_engine(dtype="float16").core.model.layer_ops) is TorchLayerOps
+    assert type(make_engine(dtype="float16", gemm_backend="torch").core.model.layer_ops) is TorchLayerOps
+    assert make_engine(dtype="float16").core.model.layer_ops.name == "fused"  # widened: tests/test_bf16_widened.py
     with pytest.raises(ValueError, match="layer_ops='fused' cannot run: .*Linear"):
         make_engine(layer_ops="fused", gemm_backend="torch")
 

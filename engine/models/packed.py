@@ -133,14 +133,16 @@ def pack_linears(model: nn.Module) -> nn.Module:
 
 
 def widen_linears(model: nn.Module) -> nn.Module:
-    """In place: a loaded bfloat16 DecoderLM becomes float32 with the same values (bfloat16 -> float32 is exact),
-    every linear layer and the LM head packed (pack_linears); returns the model. For a bfloat16 model on a CPU
-    without bf16 arithmetic (engine/core.py `widen_applies`): the weights are the bfloat16 ones asked for, and the
-    products and sums are float32, as a bf16 GEMM accumulates, on the float32 panels. Raises ValueError where the
-    model is not bfloat16 or the kernel cannot run."""
-    why = unsharded_cpu_model(model, torch.bfloat16, "widening takes") or kernel_missing()
+    """In place: a loaded bfloat16 or float16 DecoderLM becomes float32 with the same values (either -> float32 is
+    exact), every linear layer and the LM head packed (pack_linears); returns the model. For a half-precision model
+    whose GEMMs this CPU would emulate (engine/core.py `widen_applies`): the weights are the ones asked for, and the
+    products and sums are float32, as a half-precision GEMM accumulates, on the float32 panels. Raises ValueError
+    where the model is of another dtype or the kernel cannot run."""
+    dtype = next(model.parameters()).dtype
+    why = (unsharded_cpu_model(model, dtype, "widening takes") if dtype in (torch.bfloat16, torch.float16)
+           else f"the model is {dtype}, widening takes bfloat16 or float16") or kernel_missing()
     if why is not None:
-        raise ValueError(f"bfloat16 weights on float32 panels cannot run: {why}")
+        raise ValueError(f"half-precision weights on float32 panels cannot run: {why}")
     for p in model.parameters():
         p.data = p.data.float()
     return pack_linears(model)
