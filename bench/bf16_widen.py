@@ -33,15 +33,15 @@ ENGINES = [("bfloat16 (auto's pick)", {"dtype": "bfloat16"}),
            ("float16 (auto's pick)", {"dtype": "float16"}),
            ("float16, F.linear (gemm_backend torch)", {"dtype": "float16", "gemm_backend": "torch"}),
            ("float32", {"dtype": "float32"})]
+# (name, prompts, prompt tokens, output tokens, counted tokens: "output" or "prompt")
+WORKLOADS = [("decode, 1 x 128/128", 1, 128, 128, "output"), ("batch, 32 x 128/128", 32, 128, 128, "output"),
+             ("prefill, 4 x 1024/1", 4, 1024, 1, "prompt")]
 
 
 def base_of(name: str) -> str:
     """The F.linear engine a row's ratio is taken to: its own dtype's (float32's: bfloat16's)."""
     dtype = "float16" if name.startswith("float16") else "bfloat16"
     return f"{dtype}, F.linear (gemm_backend torch)"
-# (name, prompts, prompt tokens, output tokens, counted tokens: "output" or "prompt")
-WORKLOADS = [("decode, 1 x 128/128", 1, 128, 128, "output"), ("batch, 32 x 128/128", 32, 128, 128, "output"),
-             ("prefill, 4 x 1024/1", 4, 1024, 1, "prompt")]
 
 
 def run(engine: Engine, prompts: list[list[int]], out_len: int, counted: str) -> float:
@@ -64,7 +64,7 @@ def main() -> None:
     picked = {name: e.capacity_log_lines()[0] for name, e in engines.items()}
     tok = next(iter(engines.values())).tokenizer
     inputs = {w[0]: text_prompts(tok, w[1], w[2], seed=11) for w in WORKLOADS}
-    for name, e in engines.items():  # warm each engine's kernels once
+    for e in engines.values():  # warm each engine's kernels once
         run(e, inputs[WORKLOADS[0][0]], 8, "output")
     rates: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.repeats):
