@@ -5,7 +5,7 @@ matrix (bench/vs_vllm_cells.py) under vLLM's client:
     python -m bench.row_split [--cells GLOBS] [--quick] [--no-write]
 
 kvllm serve smollm2 at its defaults (auto: the split), with `--dtype bfloat16` (bfloat16 weights on the panels for
-every row count, float32 activations, the fused stack: engine/core.py `panels_apply`), with `--dtype bfloat16
+every row count, float32 activations, the fused stack: engine/linear_path.py `panels_apply`), with `--dtype bfloat16
 --gemm-backend onednn` (every forward in bf16, layer by layer, on oneDNN's GEMMs: what `--dtype bfloat16` ran
 before) and with `--dtype float32` (every forward on the file's blocks, the fused stack); VLLM_CPU_KVCACHE_SPACE=2
 for each, 2 threads, a warm-up burst before each launch's cells. The table: output tok/s and median TPOT / TTFT per

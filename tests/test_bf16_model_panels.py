@@ -1,4 +1,4 @@
-"""A bfloat16 model on a CPU with AVX512-BF16 (engine/core.py `panels_apply`): every linear layer, the LM head
+"""A bfloat16 model on a CPU with AVX512-BF16 (engine/linear_path.py `panels_apply`): every linear layer, the LM head
 included, on bfloat16 panels (engine/models/bf16_panels.py `panel_linears`), float32 activations, bfloat16 KV pages,
 the fused C++ stack. Checked: which configurations take it, what the engine holds, and its teacher-forced
 log-probabilities against HF transformers in float64 on the same bfloat16-rounded weights and GEMM inputs: within
@@ -21,26 +21,26 @@ except cpu_ext.ExtensionUnavailable as exc:
 
 def test_which_configurations_take_panels(monkeypatch, tiny_llama_dir):
     import engine.config as config
-    import engine.core as core
+    import engine.linear_path as paths
 
-    monkeypatch.setattr(core, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(paths, "cpu_has_fast_bf16", lambda: True)
     monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: True)
     monkeypatch.setattr(bf16_panels, "available", lambda: None)
     cpu, tiny = torch.device("cpu"), str(tiny_llama_dir)
-    assert core.panels_apply(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
-    assert core.panels_apply(EngineConfig(model=tiny), cpu)  # auto is bfloat16 here
-    assert core.panels_apply(EngineConfig(model="smollm2", dtype="bfloat16"), cpu)
-    assert not core.panels_apply(EngineConfig(model="smollm2"), cpu)  # auto on a .gguf: the row split
+    assert paths.panels_apply(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
+    assert paths.panels_apply(EngineConfig(model=tiny), cpu)  # auto is bfloat16 here
+    assert paths.panels_apply(EngineConfig(model="smollm2", dtype="bfloat16"), cpu)
+    assert not paths.panels_apply(EngineConfig(model="smollm2"), cpu)  # auto on a .gguf: the row split
     for change in ({"dtype": "float32"}, {"dtype": "float16"}, {"gemm_backend": "onednn"}, {"gemm_backend": "torch"},
                    {"layer_ops": "cpu"}, {"attention_backend": "torch"}, {"quantization": "int8"},
                    {"tensor_parallel_size": 2}):
-        assert not core.panels_apply(EngineConfig(model=tiny, **{"dtype": "bfloat16", **change}), cpu), change
-    assert not core.panels_apply(EngineConfig(model=tiny, dtype="bfloat16"), torch.device("cuda"))
+        assert not paths.panels_apply(EngineConfig(model=tiny, **{"dtype": "bfloat16", **change}), cpu), change
+    assert not paths.panels_apply(EngineConfig(model=tiny, dtype="bfloat16"), torch.device("cuda"))
     monkeypatch.setattr(bf16_panels, "available", lambda: "the CPU lacks AVX512-BF16")
-    assert not core.panels_apply(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
+    assert not paths.panels_apply(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
     monkeypatch.setattr(bf16_panels, "available", lambda: None)
-    monkeypatch.setattr(core, "cpu_has_fast_bf16", lambda: False)
-    assert not core.panels_apply(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
+    monkeypatch.setattr(paths, "cpu_has_fast_bf16", lambda: False)
+    assert not paths.panels_apply(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
 
 
 @pytest.mark.skipif(bf16_panels.available() is not None, reason=f"no bf16 panels here: {bf16_panels.available()}")

@@ -1,4 +1,4 @@
-"""`dtype='bfloat16'` on a CPU without bf16 arithmetic, and `dtype='float16'` on any CPU (engine/core.py
+"""`dtype='bfloat16'` on a CPU without bf16 arithmetic, and `dtype='float16'` on any CPU (engine/linear_path.py
 `widen_applies`): the model is loaded in that dtype, then widened to float32 with the same values and its linears
 packed (engine/models/packed.py `widen_linears`), float32 activations, KV pages of that dtype, the fused C++ stack.
 Checked: which configurations take it, what the engine holds, and its teacher-forced log-probabilities against HF
@@ -27,31 +27,33 @@ def no_fast_bf16(monkeypatch):
     """This host as one without AVX512-BF16 / AMX, whatever it is (the bf16 panels then do not apply)."""
     import engine.config as config
     import engine.core as core
+    import engine.linear_path as paths
 
     monkeypatch.setattr(core, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(paths, "cpu_has_fast_bf16", lambda: False)
     monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
 
 
 def test_which_configurations_widen(monkeypatch, no_fast_bf16, tiny_llama_dir):
-    import engine.core as core
+    import engine.linear_path as paths
 
     monkeypatch.setattr(packed, "kernel_missing", lambda: None)
     cpu, tiny = torch.device("cpu"), str(tiny_llama_dir)
-    assert core.widen_applies(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
-    assert core.widen_applies(EngineConfig(model="smollm2", dtype="bfloat16"), cpu)
-    assert core.widen_applies(EngineConfig(model=tiny, dtype="float16"), cpu)
-    assert not core.widen_applies(EngineConfig(model=tiny), cpu)  # auto is float32 on such a CPU
+    assert paths.widen_applies(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
+    assert paths.widen_applies(EngineConfig(model="smollm2", dtype="bfloat16"), cpu)
+    assert paths.widen_applies(EngineConfig(model=tiny, dtype="float16"), cpu)
+    assert not paths.widen_applies(EngineConfig(model=tiny), cpu)  # auto is float32 on such a CPU
     for change in ({"dtype": "float32"}, {"gemm_backend": "onednn"}, {"gemm_backend": "torch"},
                    {"gemm_backend": "cpu"}, {"layer_ops": "cpu"}, {"attention_backend": "torch"},
                    {"quantization": "int8"}, {"tensor_parallel_size": 2}):
-        assert not core.widen_applies(EngineConfig(model=tiny, **{"dtype": "bfloat16", **change}), cpu), change
-    assert not core.widen_applies(EngineConfig(model=tiny, dtype="bfloat16"), torch.device("cuda"))
+        assert not paths.widen_applies(EngineConfig(model=tiny, **{"dtype": "bfloat16", **change}), cpu), change
+    assert not paths.widen_applies(EngineConfig(model=tiny, dtype="bfloat16"), torch.device("cuda"))
     monkeypatch.setattr(packed, "kernel_missing", lambda: "the CPU lacks AVX2 + FMA")
-    assert not core.widen_applies(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
+    assert not paths.widen_applies(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
     monkeypatch.setattr(packed, "kernel_missing", lambda: None)
-    monkeypatch.setattr(core, "cpu_has_fast_bf16", lambda: True)  # there the bf16 panels' path is the one
-    assert not core.widen_applies(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
-    assert core.widen_applies(EngineConfig(model=tiny, dtype="float16"), cpu)  # no float16 GEMM anywhere
+    monkeypatch.setattr(paths, "cpu_has_fast_bf16", lambda: True)  # there the bf16 panels' path is the one
+    assert not paths.widen_applies(EngineConfig(model=tiny, dtype="bfloat16"), cpu)
+    assert paths.widen_applies(EngineConfig(model=tiny, dtype="float16"), cpu)  # no float16 GEMM anywhere
 
 
 @needs_avx2

@@ -22,7 +22,7 @@ if bf16_panels.available() is not None:
 from engine.attention.base import build_metadata  # noqa: E402
 from engine.attention.cpu_paged import CpuPagedBackend  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.core import row_split_applies  # noqa: E402
+from engine.linear_path import row_split_applies  # noqa: E402
 from engine.models.fused_layers import FusedLayerOps  # noqa: E402
 from engine.models.gguf_linear import BlockLinear  # noqa: E402
 from engine.models.layer_ops import CpuLayerOps  # noqa: E402
@@ -136,9 +136,9 @@ def test_each_side_equals_the_model_it_stands_in_for(monkeypatch):
 
 
 def test_which_configurations_split(monkeypatch):
-    import engine.core as core
+    import engine.linear_path as paths
 
-    monkeypatch.setattr(core, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(paths, "cpu_has_fast_bf16", lambda: True)
     cpu = torch.device("cpu")
     assert row_split_applies(EngineConfig(model="smollm2"), cpu)
     for change in ({"dtype": "bfloat16"}, {"dtype": "float32"}, {"gemm_backend": "onednn"},
@@ -146,7 +146,7 @@ def test_which_configurations_split(monkeypatch):
         assert not row_split_applies(EngineConfig(model="smollm2", **change), cpu), change
     assert not row_split_applies(EngineConfig(model="smollm2"), torch.device("cuda"))
     assert not row_split_applies(EngineConfig(model="/nonexistent/dir"), cpu)  # not a .gguf (and not fetched)
-    monkeypatch.setattr(core, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(paths, "cpu_has_fast_bf16", lambda: False)
     assert not row_split_applies(EngineConfig(model="smollm2"), cpu)
 
 

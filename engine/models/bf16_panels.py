@@ -10,7 +10,7 @@ Why: a decode step of 8-64 sequences multiplies every weight by a few rows; ther
 units busier than oneDNN's bf16 GEMM, and does twice the work per instruction of the float32 kernels on a GGUF
 file's blocks (docs/benchmarks.md, "GEMMs split by row count"). engine/models/row_split.py gives each layer of a
 row-split model one for its many-row calls; `panel_linears` makes every linear of a bfloat16 model one
-(engine/core.py `panels_apply`).
+(engine/linear_path.py `panels_apply`).
 """
 from __future__ import annotations
 

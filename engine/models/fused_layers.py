@@ -11,7 +11,7 @@ decode step is several milliseconds.
 
 It applies where every one of those kernels would run anyway: a float32 model on the CPU, not split by tensor
 parallelism, without per-head q/k norms (Qwen3), every layer linear a BlockLinear, PackedLinear, Bf16PanelLinear or
-QuantPanelLinear (gemm_backend gguf or cpu, engine/core.py `panels_apply`, or the row split), the cpu attention
+QuantPanelLinear (gemm_backend gguf or cpu, engine/linear_path.py `panels_apply`, or the row split), the cpu attention
 backend on a float or 8-bit cache (engine/attention/cpu_paged.py). A forward that does not qualify takes the
 per-layer path.
 """

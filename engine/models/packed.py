@@ -135,7 +135,7 @@ def pack_linears(model: nn.Module) -> nn.Module:
 def widen_linears(model: nn.Module) -> nn.Module:
     """In place: a loaded bfloat16 or float16 DecoderLM becomes float32 with the same values (either -> float32 is
     exact), every linear layer and the LM head packed (pack_linears); returns the model. For a half-precision model
-    whose GEMMs this CPU would emulate (engine/core.py `widen_applies`): the weights are the ones asked for, and the
+    whose GEMMs this CPU would emulate (engine/linear_path.py `widen_applies`): the weights are the ones asked for, and the
     products and sums are float32, as a half-precision GEMM accumulates, on the float32 panels. Raises ValueError
     where the model is of another dtype or the kernel cannot run."""
     dtype = next(model.parameters()).dtype

@@ -6,7 +6,7 @@ values, the same dot products), or, for blocks of another kind, on the layer's o
 norms, RoPE and attention stay float32 on either side (the panels take float32 rows and return float32), so the
 fused C++ decoder stack (engine/models/fused_layers.py, csrc/decoder_layers.cpp) runs every forward, picking the
 weights by the forward's token count. EngineCore applies it for `dtype='auto'` to a model loaded from a .gguf file
-on a CPU with AVX512-BF16 (engine/core.py, `row_split_applies`), with bfloat16 KV pages.
+on a CPU with AVX512-BF16 (engine/linear_path.py `row_split_applies`), with bfloat16 KV pages.
 
 Why: a decode step of one or a few sequences is bound by the bytes of weights it reads; the quantized panels (0.625
 or 1.06 bytes a weight) beat bfloat16 (2 bytes) there, and the float32 kernel on the blocks (1.25 bytes) up to a
