@@ -10,9 +10,10 @@
 //
 // Per layer (weights[18 * i ...]): input norm, qkv linear, o linear, post-attention norm, gate/up linear, down
 // linear, each linear as four tensors (w, d, m, bias): a GGUF block layer (int8 w, its d and m; csrc block_linear),
-// a float32 panel layer (w_packed, then two empty tensors; packed_linear), a bfloat16 panel layer (w_panels, two
-// empty tensors; csrc/bf16_linear.cpp) or a quantized panel layer (uint8 w_panels, two empty tensors;
-// csrc/quant_panels.cpp); an empty bias is none. The final norm's weight is the last tensor.
+// a float32, bfloat16 or float16 panel layer (w_packed [N/16, K, 16], then two empty tensors; packed_linear), a
+// bfloat16 pair-panel layer (w_panels [P, K/2, 16, 2], two empty tensors; csrc/bf16_linear.cpp) or a quantized
+// panel layer (uint8 w_panels, two empty tensors; csrc/quant_panels.cpp); an empty bias is none. The final norm's
+// weight is the last tensor.
 // Activations stay float32 throughout.
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -38,7 +39,7 @@ std::optional<at::Tensor> maybe(const at::Tensor& t) {
 
 // w: the four tensors of one linear layer at weights[i]
 void linear(const at::Tensor& x, const at::TensorList& w, int64_t i, at::Tensor& out, int64_t isa) {
-  if (w[i].scalar_type() == at::kBFloat16) {
+  if (w[i].scalar_type() == at::kBFloat16 && w[i].dim() == 4) {  // pairs for vdpbf16ps; [N/16, K, 16]: packed
     KVLLM_RANGE("bf16_linear");
     ops::bf16_linear(x, w[i], maybe(w[i + 3]), out);
   } else if (w[i].scalar_type() == at::kByte) {

@@ -1343,19 +1343,59 @@ struct BlockWeights : BlockScales {
   }
 };
 
-// One panel of GGUF blocks to floats, as dequant_panels_avx512 (which says why the values are exact).
-void dequant_panel_avx2(const int8_t* q, const float* d, const float* m, int64_t k, int64_t group, float* out) {
-  for (int64_t g = 0; g < k / group; ++g) {
-    const __m256 d0 = _mm256_loadu_ps(d + g * kPanel), d1 = _mm256_loadu_ps(d + g * kPanel + 8);
-    const __m256 m0 = _mm256_loadu_ps(m + g * kPanel), m1 = _mm256_loadu_ps(m + g * kPanel + 8);
-    for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) {
-      const __m128i qv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * kPanel));
-      const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qv));
-      const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(qv, 8)));
-      _mm256_store_ps(out + kk * kPanel, _mm256_fmadd_ps(q0, d0, m0));
-      _mm256_store_ps(out + kk * kPanel + 8, _mm256_fmadd_ps(q1, d1, m1));
-    }
+// A weight source that also keeps the floats it converts in `keep` ([K, 16], 32-byte aligned scratch).
+template <typename W>
+struct Kept : W {
+  float* keep;
+  inline void get(int64_t k, __m256& w0, __m256& w1) const {
+    W::get(k, w0, w1);
+    _mm256_store_ps(keep + k * kPanel, w0);
+    _mm256_store_ps(keep + k * kPanel + 8, w1);
   }
+};
+
+// More than 6 rows of one panel whose weights need converting (GGUF blocks, half panels): the first tile converts
+// them in registers as it multiplies and keeps the floats, and the tiles after it read those from cache. A
+// separate conversion pass before the tiles cost 5-10% more at 8-256 rows (docs/benchmarks.md, "Half-precision
+// panels").
+template <typename W>
+void kept_rows(const Int8Problem& B, const W& wsrc, float* keep, int64_t p) {
+  int8_micro<6>(B, Kept<W>{wsrc, keep}, p, 0);
+  Int8Problem rest = B;
+  rest.x += 6 * B.k;
+  rest.out += 6 * B.n;
+  rest.m -= 6;
+  int8_rows(rest, FloatWeights{keep, B.k}, p);
+}
+
+// Half-precision panels (packed_linear with bfloat16 or float16 w_packed): 8 stored values to float32, exactly.
+// bfloat16 is float32's upper half, so a zero-extend and a shift; float16 through F16C.
+template <bool BF16>
+inline __m256 widen8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  else return _mm256_cvtph_ps(h);
+}
+
+// Half panels widened in registers for the AVX2 tile's few rows (a weight used by at most 6 FMAs): half the bytes
+// of a float32 panel cross the bus, prefetched as far ahead in bytes.
+template <bool BF16>
+struct HalfWeights {
+  const uint16_t* w;  // [K, 16]
+  int64_t group;      // = K: one group
+  inline void begin_group(int64_t) {}
+  inline void get(int64_t k, __m256& w0, __m256& w1) const {
+    const uint16_t* row = w + k * kPanel;
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+    w0 = widen8<BF16>(row);
+    w1 = widen8<BF16>(row + 8);
+  }
+};
+
+// `n` (a multiple of 8) half values to float32 in `out` (scratch for more rows: widened once, read by every tile)
+template <bool BF16>
+void widen_avx2(const uint16_t* w, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(out + i, widen8<BF16>(w + i));
 }
 
 #pragma GCC pop_options
@@ -1529,25 +1569,40 @@ void int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tens
 // y = x @ W^T + bias with W packed by engine/models/packed.py into panels of 16 output channels, [N/16, K, 16]
 // float32: the int8 path's 6 x 16 micro-kernel on float panels read in place (no conversion). On AVX2-only CPUs
 // MKL's sgemm runs the decode shapes (M <= 64 rows, K <= 1536) below this tile's rate (docs/benchmarks.md).
+// Panels of bfloat16 or float16 (a half-precision model's weights, engine/models/packed.py `widen_linears`) go
+// through half_rows: the same tile on their values widened exactly, half the weight bytes.
 constexpr int64_t kRowBlock = 96;
+
+#ifdef KVLLM_X86
+template <bool BF16>
+void half_rows(const Int8Problem& B, const uint16_t* w, int64_t panels, int64_t isa);  // below block_rows
+#endif
 
 void packed_linear(const at::Tensor& x, const at::Tensor& w_packed, const std::optional<at::Tensor>& bias,
                    at::Tensor& out, int64_t max_isa) {
-  const auto [m, k, n, panels] = check_linear(x, w_packed, at::kFloat, "float32", bias, out);
+  const at::ScalarType wt = w_packed.scalar_type();
+  TORCH_CHECK_VALUE(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf,
+                    "w_packed must be float32, bfloat16 or float16 panels, got ", wt);
+  const auto [m, k, n, panels] = check_linear(x, w_packed, wt, c10::toString(wt), bias, out);
   const int64_t isa = pick_isa(max_isa);
   TORCH_CHECK_VALUE(isa >= 1, "packed_linear needs AVX2 + FMA (max_isa >= 1 on a CPU that has them)");
   Int8Problem I{x.data_ptr<float>(), nullptr, nullptr, bias ? bias->data_ptr<float>() : nullptr,
                 out.data_ptr<float>(), m, k, n, k};
   if (m == 0) return;
-  const float* w = w_packed.data_ptr<float>();
 #ifdef KVLLM_X86
+  const uint16_t* w16 = wt == at::kFloat ? nullptr : reinterpret_cast<const uint16_t*>(w_packed.data_ptr());
+  const float* w = wt == at::kFloat ? w_packed.data_ptr<float>() : nullptr;
   // Row blocks of kRowBlock: a block's x rows stay in L2 while every panel streams past them.
   for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
     Int8Problem B = I;
     B.x = I.x + r0 * k;
     B.out = I.out + r0 * n;
     B.m = std::min<int64_t>(kRowBlock, m - r0);
-    if (isa >= 2) {
+    if (wt == at::kBFloat16) {
+      half_rows<true>(B, w16, panels, isa);
+    } else if (wt == at::kHalf) {
+      half_rows<false>(B, w16, panels, isa);
+    } else if (isa >= 2) {
       at::parallel_for(0, (panels + kGroup512 - 1) / kGroup512, 1, [&](int64_t q0, int64_t q1) {
         for (int64_t q = q0; q < q1; ++q) packed_group_avx512(B, w, q, panels);
       });
@@ -1653,8 +1708,40 @@ void block_rows(const Int8Problem& B, const int8_t* q, const float* dp, const fl
       } else if (B.m <= 6) {  // one AVX2 tile: the blocks in registers
         int8_rows(B, BlockWeights{{dg, mg, group}, qg}, p);
       } else {
-        dequant_panel_avx2(qg, dg, mg, k, group, panel);
-        int8_rows(B, FloatWeights{panel, k}, p);
+        kept_rows(B, BlockWeights{{dg, mg, group}, qg}, panel, p);
+      }
+    }
+  });
+}
+
+// packed_linear over one block of rows with half-precision panels: at most 6 rows on the AVX2 tile widen in
+// registers; otherwise each group of panels (3 with AVX-512, 1 with AVX2) is widened once into thread scratch and
+// multiplied there by the float32 panels' tile. Either way every output is the float32 tile's products summed in
+// its order, so results equal packed_linear on the widened float32 panels bit for bit.
+template <bool BF16>
+void half_rows(const Int8Problem& B, const uint16_t* w, int64_t panels, int64_t isa) {
+  const int64_t k = B.k, per = isa >= 2 ? kGroup512 : 1;
+  at::parallel_for(0, (panels + per - 1) / per, 1, [&](int64_t g0, int64_t g1) {
+    thread_local std::vector<float> scratch;  // grown once per thread, as block_rows'
+    if (scratch.size() < static_cast<size_t>(per * k * kPanel + 16)) scratch.resize(per * k * kPanel + 16);
+    float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p = g * per, count = std::min<int64_t>(per, panels - p);
+      const uint16_t* wg = w + p * k * kPanel;
+      if (isa < 2 && B.m <= 6) {
+        int8_rows(B, HalfWeights<BF16>{wg, k}, p);
+        continue;
+      }
+      if (isa < 2) {
+        kept_rows(B, HalfWeights<BF16>{wg, k}, panel, p);
+        continue;
+      }
+      widen_avx2<BF16>(wg, count * k * kPanel, panel);
+      const Panels512 wsrc{panel, k, k};
+      switch (count) {
+        case 3: packed_rows512<3>(B, wsrc, p); break;
+        case 2: packed_rows512<2>(B, wsrc, p); break;
+        default: packed_rows512<1>(B, wsrc, p); break;
       }
     }
   });

@@ -154,8 +154,8 @@ class EngineConfig:
                                        "<= 8), larger ones on bfloat16 panels, bfloat16 KV pages; bfloat16 there: "
                                        "bfloat16 weights on the panels and KV pages, float32 activations between the "
                                        "GEMMs; bfloat16 on a CPU without bf16 arithmetic, and float16 on any CPU: "
-                                       "the weights widened to float32 panels, KV pages of that dtype, float32 "
-                                       "activations")
+                                       "the weights kept in that dtype as panels the C++ GEMM widens exactly in its "
+                                       "tile, KV pages of that dtype, float32 activations")
     device: str | None = setting(None, help="cpu, cuda or cuda:N (default: cuda when available)")
     seed: int = setting(0, help="seed of requests that give none")
     quantization: str | None = setting(None, choices=_choices(QUANTIZATIONS),
@@ -169,9 +169,9 @@ class EngineConfig:
                                      "onednn = bfloat16 weights packed once for oneDNN, torch = F.linear; auto: on an "
                                      "AVX2 CPU gguf for a float32 unquantized model loaded from a .gguf, cpu for any "
                                      "other float32 one; a bfloat16 one on the CPU: bfloat16 panels with float32 "
-                                     "activations where the CPU has AVX512-BF16, else its bfloat16 weights widened to "
-                                     "cpu's float32 panels, as a float16 model's are on any CPU (both with layer_ops "
-                                     "and attention auto); onednn where neither runs")
+                                     "activations where the CPU has AVX512-BF16, else cpu's panels holding its "
+                                     "bfloat16 weights, widened to float32 in the kernel, as a float16 model's are on "
+                                     "any CPU (both with layer_ops and attention auto); onednn where neither runs")
     layer_ops: str = setting("auto", choices=_choices(LAYER_OPS),
                              help="RMSNorm (+ residual), RoPE, SiLU-multiply, the greedy argmax: cpu = C++ ops, "
                                   "fused = those and the layers' GEMMs and attention as one C++ call per forward "

@@ -377,8 +377,8 @@ class EngineCore:
         elif self.widened:
             name = str(self.weight_dtype).removeprefix("torch.")
             cpu = "on a CPU without bf16 arithmetic" if name == "bfloat16" else "kvllm has no float16 GEMM on the CPU"
-            why = (f" activations ({name} asked, {cpu}: {name} weights widened to float32 panels, KV pages "
-                   f"{self.kv_format.name})")
+            why = (f" activations ({name} asked, {cpu}: {name} weight panels widened to float32 in the GEMM, KV "
+                   f"pages {self.kv_format.name})")
         elif c.dtype == "auto" and self.device.type == "cpu":
             why = " (auto: this CPU has AVX512-BF16/AMX)" if cpu_has_fast_bf16() else " (auto: no fast bf16 here)"
         # a row split's bf16 copies are submodules of the layers they serve: named beside them, not counted as layers

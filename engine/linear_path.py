@@ -38,8 +38,8 @@ def panels_apply(config: EngineConfig, device: torch.device) -> bool:
 
 
 def widen_applies(config: EngineConfig, device: torch.device) -> bool:
-    """Whether a half-precision model runs on its weights widened to float32 panels and float32 activations
-    (engine/models/packed.py `widen_linears`): bfloat16 where the CPU has no bf16 arithmetic (no AVX512-BF16 or AMX:
+    """Whether a half-precision model runs with float32 activations on packed panels of its own weights, which the
+    GEMM widens exactly to float32 in its tile (engine/models/packed.py `widen_linears`): bfloat16 where the CPU has no bf16 arithmetic (no AVX512-BF16 or AMX:
     torch and oneDNN emulate it, several times slower), float16 on any CPU (kvllm has no float16 GEMM there). Weights
     and KV pages keep the dtype asked (docs/benchmarks.md, "--dtype bfloat16 / float16 on a CPU without their
     arithmetic")."""

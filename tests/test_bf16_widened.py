@@ -1,6 +1,7 @@
 """`dtype='bfloat16'` on a CPU without bf16 arithmetic, and `dtype='float16'` on any CPU (engine/linear_path.py
-`widen_applies`): the model is loaded in that dtype, then widened to float32 with the same values and its linears
-packed (engine/models/packed.py `widen_linears`), float32 activations, KV pages of that dtype, the fused C++ stack.
+`widen_applies`): the model is loaded in that dtype, its linears packed as panels of that dtype which the kernel
+widens exactly in its tile, the rest widened to float32 (engine/models/packed.py `widen_linears`), float32
+activations, KV pages of that dtype, the fused C++ stack.
 Checked: which configurations take it, what the engine holds, and its teacher-forced log-probabilities against HF
 transformers in float64 on the same rounded weights: within float32 rounding with float32 pages, a few roundings
 with half-precision pages; the float32 model (weights not rounded) is outside that bound, so a widening that
@@ -58,7 +59,7 @@ def test_which_configurations_widen(monkeypatch, no_fast_bf16, tiny_llama_dir):
 
 @needs_avx2
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_engine_widens_to_float32_panels(make_engine, tiny_llama_dir, monkeypatch, no_fast_bf16, dtype):
+def test_half_engine_runs_on_its_half_panels(make_engine, tiny_llama_dir, monkeypatch, no_fast_bf16, dtype):
     import engine.core
     from engine.models.packed import PackedLinear
 
@@ -74,6 +75,7 @@ def test_half_engine_widens_to_float32_panels(make_engine, tiny_llama_dir, monke
     linears = [m for m in core.model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
     n_layers = core.model_config.num_layers
     assert len(linears) == 4 * n_layers + 1 and all(isinstance(m, PackedLinear) for m in linears)
+    assert all(m.w_packed.dtype == half for m in linears)  # the weights at their own size
     assert core.model.layer_ops.name == "fused"
     for p in core.model.parameters():
         assert p.dtype == torch.float32 and torch.equal(p, p.to(half).float())
@@ -100,10 +102,10 @@ def test_half_engine_widens_to_float32_panels(make_engine, tiny_llama_dir, monke
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_widen_linears_is_the_float32_model_of_the_same_values(arch, dtype):
-    """A widened bfloat16 or float16 model and a packed float32 copy of its values give the same logits and
-    recomputed queries bit for bit; a float32 model is refused, naming why."""
+    """A widened bfloat16 or float16 model (half panels) and a packed float32 copy of its values give the same logits
+    and recomputed queries bit for bit; a float32 model is refused, naming why."""
     from helpers_models import assert_converts_to_the_float32_model
 
     assert_converts_to_the_float32_model(arch, packed.widen_linears, packed.pack_linears, torch.float32,
-                                         "half-precision weights on float32 panels cannot run: the model is "
+                                         "half-precision weights on the packed kernel cannot run: the model is "
                                          "torch.float32, widening takes bfloat16 or float16", dtype=dtype)

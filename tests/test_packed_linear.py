@@ -1,5 +1,6 @@
-"""Packed float32 linear layers (engine/models/packed.py, csrc/kvllm_cpu.cpp packed_linear): the kernel against a
-float64 reference, the model swap against the unpacked model, and the engine's gemm_backend setting."""
+"""Packed linear layers (engine/models/packed.py, csrc/kvllm_cpu.cpp packed_linear): the kernel against a float64
+reference, its half-precision panels against its float32 ones, the model swap against the unpacked model, and the
+engine's gemm_backend setting."""
 import pytest
 import torch
 from torch import nn
@@ -73,6 +74,58 @@ def test_the_bound_catches_a_misplaced_channel(level, panel):
         _check_close(layer(x), x, lin.weight, None)
 
 
+# half panels: in registers up to 6 rows on the AVX2 tile, then the first tile keeps the widened floats for the
+# rest (7, 13: one and two more tiles), 96-row blocks (97, 200); the AVX-512 tile widens groups of 3 into scratch
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(20, 16), (35, 64), (200, 576)])
+def test_half_panels_equal_the_float32_panels_of_their_values(level, dtype, n, k):
+    """A layer of bfloat16 or float16 values on half panels computes what the float32 panels of the same values do,
+    bit for bit (each value widened exactly, the same tile's sums), at every row count and each tile; so the float64
+    bound above holds for them too."""
+    g = torch.Generator().manual_seed(n + k)
+    lin = nn.Linear(k, n)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g).to(dtype).float())
+        lin.bias.copy_(torch.randn(n, generator=g))
+    full, half = PackedLinear(lin), PackedLinear(lin, dtype)
+    assert half.w_packed.dtype == dtype and torch.equal(half.weight, lin.weight) and half.weight.dtype == torch.float32
+    full.max_isa = half.max_isa = level
+    for m in (0, 1, 5, 6, 7, 13, 97, 200):
+        x = torch.randn(m, k, generator=g)
+        a, b = full(x), half(x)
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (m, float((a - b).abs().max()))
+        _check_close(b, x, lin.weight, lin.bias)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_half_panels_see_every_weight(level):
+    """One changed weight anywhere (each panel of a 3-panel group, first and last columns) changes its output, so a
+    widening that skipped or misplaced values fails the equality above."""
+    lin = nn.Linear(64, 48, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.bfloat16().float())
+    x = torch.randn(9, 64)
+    for rows in (x[:1], x):  # in registers, kept
+        base = PackedLinear(lin, torch.bfloat16)
+        base.max_isa = level
+        ref = base(rows)
+        for out_ch, col in ((0, 0), (17, 63), (47, 31)):
+            layer = PackedLinear(lin, torch.bfloat16)
+            layer.max_isa = level
+            layer.w_packed[out_ch // 16, col, out_ch % 16] += 1.0
+            diff = (layer(rows) - ref).abs() > 0
+            assert diff[:, out_ch].all() and diff.sum() == rows.shape[0], (out_ch, col)
+
+
+def test_half_panels_refuse_values_they_would_round():
+    lin = nn.Linear(16, 16)
+    with pytest.raises(ValueError, match="not all torch.bfloat16 values"):
+        PackedLinear(lin, torch.bfloat16)  # float32 weights of random mantissas
+    with pytest.raises(ValueError, match="panel_dtype must be"):
+        PackedLinear(lin, torch.float64)
+
+
 def test_packed_linear_keeps_leading_dims_and_takes_strided_input():
     lin = nn.Linear(16, 24)
     layer = PackedLinear(lin)
@@ -94,8 +147,10 @@ def test_packed_linear_bad_inputs_name_the_field():
         ops.packed_linear(x, layer.w_packed, None, torch.empty(3, 40))
     with pytest.raises(ValueError, match="bias must be"):
         ops.packed_linear(x, layer.w_packed, torch.zeros(3), torch.empty(3, 20))
-    with pytest.raises(ValueError, match="w_packed must be"):
-        ops.packed_linear(x, layer.w_packed.half(), None, torch.empty(3, 20))
+    with pytest.raises(ValueError, match="w_packed must be float32, bfloat16 or float16"):
+        ops.packed_linear(x, layer.w_packed.double(), None, torch.empty(3, 20))
+    with pytest.raises(ValueError, match="w_packed must be a contiguous"):
+        ops.packed_linear(x, layer.w_packed.half().transpose(0, 1), None, torch.empty(3, 20))
     with pytest.raises(ValueError, match="max_isa must be"):
         ops.packed_linear(x, layer.w_packed, None, torch.empty(3, 20), 3)
     with pytest.raises(ValueError, match="packed_linear needs AVX2"):

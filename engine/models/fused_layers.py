@@ -1,9 +1,10 @@
 """layer_ops 'fused': a float32 decoder stack on the CPU in one C++ call per forward (csrc/decoder_layers.cpp).
 
 The call runs, layer by layer, the kernels the per-layer path (engine/models/llama.py with CpuLayerOps) calls one
-by one: RMSNorm with the residual add, the qkv / o / gate-up / down linears (GGUF blocks, float32 panels or, for a
-bfloat16 model, bfloat16 panels; under a row split, engine/models/row_split.py, quantized panels or the blocks, and
-their bfloat16-panel copies for forwards of more tokens), RoPE, the K/V writes and paged attention, SiLU-multiply,
+by one: RMSNorm with the residual add, the qkv / o / gate-up / down linears (GGUF blocks, float32 panels (or a
+half-precision model's weights packed alike, widened in the kernel), or, for a bfloat16 model, bfloat16 panels;
+under a row split, engine/models/row_split.py, quantized panels or the blocks, and their bfloat16-panel copies for
+forwards of more tokens), RoPE, the K/V writes and paged attention, SiLU-multiply,
 and keeps the post-RoPE queries of the rows a compression scorer asks for (`meta.capture`, the cache query source).
 Same kernels, same order, same inputs: the hidden states are bit for bit the per-layer path's. What it removes is
 the Python between them (module calls, argument checks, an output allocation per op), which at a small model's
@@ -79,7 +80,7 @@ def _stack_weights(model: DecoderLM, many: bool) -> list[torch.Tensor]:
                 weights += [lin.w_panels, empty, empty, bias]
             elif isinstance(lin, QuantPanelLinear):
                 weights += [lin.w_panels, empty, empty, bias]
-            else:  # PackedLinear's float32 panels
+            else:  # PackedLinear's panels (float32, or a half-precision model's bfloat16 / float16)
                 weights += [lin.w_packed, empty, empty, bias]
             if name == "o_proj":
                 weights.append(layer.post_attention_layernorm.weight)

@@ -25,15 +25,16 @@ from torch import nn
 from engine.attention import cpu_ext
 
 PANEL = 16  # output channels per panel (the kernel's register tile width)
+HALF_PANELS = (torch.bfloat16, torch.float16)  # panel dtypes the kernel widens in its tile
 
 
-def pack_weight(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] float32 -> [ceil(N/16), K, 16] (the 16 channels of a panel adjacent per input column), N padded with
+def pack_weight(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, K] -> [ceil(N/16), K, 16] of `dtype` (the 16 channels of a panel adjacent per input column), N padded with
     zero rows to a multiple of 16."""
     if w.dim() != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(w.shape)}")
     n, k = w.shape
-    w = w.detach().float()
+    w = w.detach().to(dtype)
     pad = -n % PANEL
     if pad:
         w = torch.cat([w, w.new_zeros(pad, k)])
@@ -65,13 +66,20 @@ def split_forward(layer: nn.Module, x: torch.Tensor, float32_forward: Callable) 
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for a float32 nn.Linear (y = x W^T + b) on the CPU, weight in 16-channel panels."""
+    """Drop-in for a float32 nn.Linear (y = x W^T + b) on the CPU, weight in 16-channel panels: float32, or
+    bfloat16 / float16 (`panel_dtype`, a half-precision model's own weights: the kernel widens them exactly in its
+    tile, so the layer computes the float32 layer of the same values on half the weight bytes)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, panel_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        if panel_dtype not in HALF_PANELS + (torch.float32,):
+            raise ValueError(f"panel_dtype must be float32, bfloat16 or float16, got {panel_dtype}")
+        if panel_dtype != torch.float32 and not torch.equal(linear.weight.to(panel_dtype).to(linear.weight.dtype),
+                                                            linear.weight):
+            raise ValueError(f"the layer's weights are not all {panel_dtype} values: panel_dtype would round them")
         self._ops = cpu_ext.load()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("w_packed", pack_weight(linear.weight))
+        self.register_buffer("w_packed", pack_weight(linear.weight, panel_dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float().clone(),
                                                                   requires_grad=False)
         self.max_isa = 2  # the best kernel the CPU has; 1 keeps the AVX2 tile (tests, benchmarks)
@@ -80,9 +88,9 @@ class PackedLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dense weight [out, in] (a new tensor: for code that reads `.weight` directly, such as
+        """The dense float32 weight [out, in] (a new tensor: for code that reads `.weight` directly, such as
         the GEMM floor of bench/; the forward and query recomputation never build it)."""
-        return self.w_packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+        return self.w_packed.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return split_forward(self, x, self.forward_float32)
@@ -92,7 +100,9 @@ class PackedLinear(nn.Module):
                             lambda x2, out: self._ops.packed_linear(x2, self.w_packed, self.bias, out, self.max_isa))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        half = "" if self.w_packed.dtype == torch.float32 else f", panels={str(self.w_packed.dtype)[6:]}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+                + half)
 
 
 def unsharded_cpu_model(model: nn.Module, dtype: torch.dtype, layers: str) -> str | None:
@@ -133,19 +143,21 @@ def pack_linears(model: nn.Module) -> nn.Module:
 
 
 def widen_linears(model: nn.Module) -> nn.Module:
-    """In place: a loaded bfloat16 or float16 DecoderLM becomes float32 with the same values (either -> float32 is
-    exact), every linear layer and the LM head packed (pack_linears); returns the model. For a half-precision model
-    whose GEMMs this CPU would emulate (engine/linear_path.py `widen_applies`): the weights are the ones asked for, and the
-    products and sums are float32, as a half-precision GEMM accumulates, on the float32 panels. Raises ValueError
-    where the model is of another dtype or the kernel cannot run."""
+    """In place: a loaded bfloat16 or float16 DecoderLM becomes a float32 model of the same values (either -> float32
+    is exact) whose linear layers and LM head keep those values as half-precision panels (PackedLinear with
+    `panel_dtype`), widened to float32 inside the GEMM tile; the embedding and norms become float32. Returns the
+    model. For a half-precision model whose GEMMs this CPU would emulate (engine/linear_path.py `widen_applies`):
+    the weights are the ones asked for, at their size, and the products and sums are float32, as a half-precision
+    GEMM accumulates. Raises ValueError where the model is of another dtype or the kernel cannot run."""
     dtype = next(model.parameters()).dtype
-    why = (unsharded_cpu_model(model, dtype, "widening takes") if dtype in (torch.bfloat16, torch.float16)
+    why = (unsharded_cpu_model(model, dtype, "widening takes") if dtype in HALF_PANELS
            else f"the model is {dtype}, widening takes bfloat16 or float16") or kernel_missing()
     if why is not None:
-        raise ValueError(f"half-precision weights on float32 panels cannot run: {why}")
+        raise ValueError(f"half-precision weights on the packed kernel cannot run: {why}")
+    swap_linears(model, lambda linear: PackedLinear(linear, dtype))
     for p in model.parameters():
         p.data = p.data.float()
-    return pack_linears(model)
+    return model
 
 
 def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
