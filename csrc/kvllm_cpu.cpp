@@ -1354,10 +1354,9 @@ struct Kept : W {
   }
 };
 
-// More than 6 rows of one panel whose weights need converting (GGUF blocks, half panels): the first tile converts
-// them in registers as it multiplies and keeps the floats, and the tiles after it read those from cache. A
-// separate conversion pass before the tiles cost 5-10% more at 8-256 rows (docs/benchmarks.md, "Half-precision
-// panels").
+// More than 6 rows of one panel whose weights need converting (the half panels): the first tile converts them in
+// registers as it multiplies and keeps the floats, and the tiles after it read those from cache. A separate
+// conversion pass before the tiles cost 5-10% more at 8-256 rows (docs/benchmarks.md, "Half-precision panels").
 template <typename W>
 void kept_rows(const Int8Problem& B, const W& wsrc, float* keep, int64_t p) {
   int8_micro<6>(B, Kept<W>{wsrc, keep}, p, 0);
@@ -1366,6 +1365,23 @@ void kept_rows(const Int8Problem& B, const W& wsrc, float* keep, int64_t p) {
   rest.out += 6 * B.n;
   rest.m -= 6;
   int8_rows(rest, FloatWeights{keep, B.k}, p);
+}
+
+// One panel of GGUF blocks to floats, as dequant_panels_avx512 (which says why the values are exact). Converting
+// in the first tile instead (kept_rows, as the half panels do) measured no faster for the blocks, whose conversion
+// costs more registers and loads (docs/benchmarks.md, "Half-precision panels").
+void dequant_panel_avx2(const int8_t* q, const float* d, const float* m, int64_t k, int64_t group, float* out) {
+  for (int64_t g = 0; g < k / group; ++g) {
+    const __m256 d0 = _mm256_loadu_ps(d + g * kPanel), d1 = _mm256_loadu_ps(d + g * kPanel + 8);
+    const __m256 m0 = _mm256_loadu_ps(m + g * kPanel), m1 = _mm256_loadu_ps(m + g * kPanel + 8);
+    for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) {
+      const __m128i qv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * kPanel));
+      const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qv));
+      const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(qv, 8)));
+      _mm256_store_ps(out + kk * kPanel, _mm256_fmadd_ps(q0, d0, m0));
+      _mm256_store_ps(out + kk * kPanel + 8, _mm256_fmadd_ps(q1, d1, m1));
+    }
+  }
 }
 
 // Half-precision panels (packed_linear with bfloat16 or float16 w_packed): 8 stored values to float32, exactly.
@@ -1708,7 +1724,8 @@ void block_rows(const Int8Problem& B, const int8_t* q, const float* dp, const fl
       } else if (B.m <= 6) {  // one AVX2 tile: the blocks in registers
         int8_rows(B, BlockWeights{{dg, mg, group}, qg}, p);
       } else {
-        kept_rows(B, BlockWeights{{dg, mg, group}, qg}, panel, p);
+        dequant_panel_avx2(qg, dg, mg, k, group, panel);
+        int8_rows(B, FloatWeights{panel, k}, p);
       }
     }
   });
