@@ -15,7 +15,8 @@ The tile is the CPU's best unless `--tile avx2`. A kernel change cannot be timed
 process (one library per source hash), so `<rev>` is checked out into a git worktree under build/gemm_sources/
 (sharing this checkout's .venv, building its own kernels) and the same probe (this file, `--probe`, run from this
 checkout) imports each side's own engine package, the sides alternating `--rounds` times. Per run: the median over
-`--repeats` passes (after one warm-up); reported: the median over runs, per side, and the ratio; on this checkout
+`--repeats` passes (after one warm-up), each side first in every other round; reported: the median over runs, per
+side, and the ratio; on this checkout
 also each source's time against the float32 panels'. The float32 panels are a control where the base has the same
 panel kernel.
 """
@@ -152,7 +153,8 @@ def main() -> None:
     started = time.time()
     runs: dict[str, list[dict]] = {"base": [], "head": []}
     for i in range(args.rounds):
-        for side, repo in (("base", base), ("head", ROOT)):
+        sides = (("base", base), ("head", ROOT))
+        for side, repo in sides if i % 2 == 0 else sides[::-1]:  # each side first in every other round
             runs[side].append(run_side(repo, args.threads, args.repeats, args.tile))
             print(f"round {i + 1}: {side} done", file=sys.stderr)
     sys.path.insert(0, str(ROOT))
@@ -160,7 +162,8 @@ def main() -> None:
 
     note = (f"Base {args.base} ({base.name}) vs this checkout ({commit()}); one decode step's linear layers of "
             f"SmolLM2 (30 layers + the tied LM head) in step order, `--tile {args.tile}`; per run the median of "
-            f"{args.repeats} passes, then the median of {args.rounds} runs per side, the sides alternating. "
+            f"{args.repeats} passes, then the median of {args.rounds} runs per side, the sides alternating (each first in "
+            f"every other round). "
             f"{time.time() - started:.0f} s.")
     body = table(runs) + "\n\n" + note
     print(body)
