@@ -5,8 +5,9 @@ in one run.
 
 A vLLM user's launch line may carry `--dtype bfloat16` or `--dtype half`. On a CPU without bf16 arithmetic (no
 AVX512-BF16, no AMX) torch's and oneDNN's bf16 GEMMs emulate it, and torch's float16 GEMMs on the CPU are as slow;
-kvllm's `auto` then widens the weights to its float32 panels (engine/linear_path.py `widen_applies`; bfloat16 on a CPU
-with AVX512-BF16 runs on bfloat16 panels instead, `panels_apply`). Engines, all through the public `Engine` API,
+kvllm's `auto` then keeps the weights in that dtype as packed panels its GEMM widens exactly to float32 in the tile
+(engine/linear_path.py `widen_applies`; bfloat16 on a CPU with AVX512-BF16 runs on bfloat16 panels instead,
+`panels_apply`). Engines, all through the public `Engine` API,
 alive together and run in turn each repeat: for each of bfloat16 and float16, `dtype=...` (what `auto` picks here,
 named by its startup line) and `dtype=..., gemm_backend="torch"` (F.linear in that dtype, the earlier pick); and
 `dtype="float32"` (the default here). Workloads, real-text prompts, greedy, ignore_eos: one sequence decoding
