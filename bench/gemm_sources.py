@@ -12,7 +12,8 @@ tied LM head), in the order a step runs them, at 1-64 rows, on each weight sourc
   engine/models/packed.py `widen_linears`, widened in the kernel).
 The tile is the CPU's best unless `--tile avx2`. Per round, each (rows, threads) times every source in turn, the
 order rotated round by round; per source the median over `--repeats` passes (after one warm-up). Reported: the
-median over rounds per source and its ratio to the float32 panels (the median of the per-round ratios).
+median over rounds per source and its ratio to the float32 panels (the median of the per-round ratios), in
+docs/results/cpu_kernels.md.
 """
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ def main() -> None:
 
     threads = [int(t) for t in args.threads.split(",")]
     configure_threads(max(threads), wait_policy="passive")
-    from bench.common import commit, write_section
+    from bench.common import RESULTS, commit, write_section
 
     started = time.time()
     runs = run(threads, args.rounds, args.repeats, args.tile)
@@ -131,7 +132,7 @@ def main() -> None:
     print(body)
     if not args.no_write:
         cmd = f"python -m bench.gemm_sources --rounds {args.rounds}" + ("" if args.tile == "best" else " --tile avx2")
-        write_section(SECTION, cmd, body)
+        write_section(SECTION, cmd, body, RESULTS / "cpu_kernels.md")
 
 
 if __name__ == "__main__":

@@ -118,8 +118,9 @@ def child(spec: dict) -> dict:
                     kv_cache_dtype=spec.get("kv_cache_dtype", "auto"))
     cfg = engine.model_config
     split = getattr(engine.core, "row_split", False)  # dtype auto on a .gguf model: engine/models/row_split.py
-    widened = getattr(engine.core, "widened", False)  # bfloat16 weights on float32 panels (engine/core.py)
-    out = {"dtype": "auto (row split)" if split else "bfloat16 widened to float32 panels" if widened
+    widened = getattr(engine.core, "widened", False)  # half weights on packed panels (engine/linear_path.py)
+    half = str(getattr(engine.core, "weight_dtype", "")).removeprefix("torch.")
+    out = {"dtype": "auto (row split)" if split else f"{half} panels widened in the GEMM" if widened
            else str(engine.dtype).removeprefix("torch."),
            "rates": rates(engine.model, spec["threads"], engine.dtype), "rows": []}
     torch.set_num_threads(spec["threads"])
