@@ -1356,7 +1356,7 @@ struct Kept : W {
 
 // More than 6 rows of one panel whose weights need converting (the half panels): the first tile converts them in
 // registers as it multiplies and keeps the floats, and the tiles after it read those from cache. A separate
-// conversion pass before the tiles cost 5-10% more at 8-256 rows (docs/benchmarks.md, "Half-precision panels").
+// conversion pass before the tiles measured slower (docs/results/cpu_kernels.md, "Half-precision panels").
 template <typename W>
 void kept_rows(const Int8Problem& B, const W& wsrc, float* keep, int64_t p) {
   int8_micro<6>(B, Kept<W>{wsrc, keep}, p, 0);
@@ -1369,7 +1369,7 @@ void kept_rows(const Int8Problem& B, const W& wsrc, float* keep, int64_t p) {
 
 // One panel of GGUF blocks to floats, as dequant_panels_avx512 (which says why the values are exact). Converting
 // in the first tile instead (kept_rows, as the half panels do) measured no faster for the blocks, whose conversion
-// costs more registers and loads (docs/benchmarks.md, "Half-precision panels").
+// costs more registers and loads (docs/results/cpu_kernels.md, "Half-precision panels").
 void dequant_panel_avx2(const int8_t* q, const float* d, const float* m, int64_t k, int64_t group, float* out) {
   for (int64_t g = 0; g < k / group; ++g) {
     const __m256 d0 = _mm256_loadu_ps(d + g * kPanel), d1 = _mm256_loadu_ps(d + g * kPanel + 8);

@@ -1,4 +1,4 @@
-"""Packed float32 linear layers for the CPU path: `pack_linears(model)` swaps a loaded DecoderLM's linear layers
+"""Packed linear layers for the CPU path: `pack_linears(model)` swaps a loaded DecoderLM's linear layers
 (and the LM head) for PackedLinear, whose weight is stored in panels of 16 output channels, [N/16, K, 16], and
 multiplied by the micro-kernels of csrc/kvllm_cpu.cpp (torch.ops.kvllm_cpu.packed_linear): a 6-row x 16-channel
 AVX2 tile, or on CPUs with AVX-512F an 8-row x 3-panel tile (one zmm per panel row, each panel streamed with a
@@ -14,6 +14,9 @@ Engine use: EngineConfig.gemm_backend (engine/models/backends.py; 'auto' packs o
 float32, unsharded and not quantized; a model loaded from a .gguf file gets engine/models/gguf_linear.py's
 BlockLinear instead, the same kernel tile on the file's own blocks). The embedding keeps its float32 table; the LM
 head (a tied one: a copy of the embedding) becomes a packed layer the model holds, `DecoderLM.lm_head_layer`.
+A bfloat16 or float16 model that engine/linear_path.py `widen_applies` picks keeps its linears' values as panels of
+its own dtype (`widen_linears`): the kernel widens them exactly in its tile, so they compute what float32 panels of
+the same values would, bit for bit, while a step reads half the weight bytes.
 """
 from __future__ import annotations
 
@@ -100,7 +103,8 @@ class PackedLinear(nn.Module):
                             lambda x2, out: self._ops.packed_linear(x2, self.w_packed, self.bias, out, self.max_isa))
 
     def extra_repr(self) -> str:
-        half = "" if self.w_packed.dtype == torch.float32 else f", panels={str(self.w_packed.dtype)[6:]}"
+        dtype = str(self.w_packed.dtype).removeprefix("torch.")
+        half = "" if dtype == "float32" else f", panels={dtype}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
                 + half)
 
