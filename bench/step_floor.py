@@ -82,8 +82,9 @@ def rates(model, threads: int, dtype=None) -> dict:
 def linear_numel(model, weight_bytes: int = 4, rows: int = 1) -> tuple[int, int]:
     """(weights of every linear layer incl. the LM head, bytes of those weights) as a step of `rows` rows reads them:
     a GGUF block layer (gemm_backend 'gguf') its int8 q and float32 d, m; a layer on quantized panels its panels'
-    bytes; a layer whose calls of that many rows go to its bfloat16 copy (a row split) 2 bytes a weight; any other
-    its weights of `weight_bytes` each."""
+    bytes; a layer whose calls of that many rows go to its bfloat16 copy (a row split) 2 bytes a weight; a packed
+    layer of half-precision panels (engine/models/packed.py `widen_linears`) its panels' 2 bytes; any other its
+    weights of `weight_bytes` each."""
     copies = {id(m.many_rows) for m in model.modules() if getattr(m, "many_rows", None) is not None}
     total, nbytes = 0, 0
     for m in model.modules():
@@ -95,6 +96,8 @@ def linear_numel(model, weight_bytes: int = 4, rows: int = 1) -> tuple[int, int]
                 nbytes += sum(t.numel() * t.element_size() for t in (m.q_packed, m.d, m.m))
             elif hasattr(m, "bits"):  # quantized panels (engine/models/quant_panels.py)
                 nbytes += m.w_panels.numel()
+            elif getattr(m, "w_packed", None) is not None and m.w_packed.element_size() == 2:  # half panels
+                nbytes += m.in_features * m.out_features * m.w_packed.element_size()
             else:
                 nbytes += m.in_features * m.out_features * weight_bytes
     return total, nbytes

@@ -126,6 +126,17 @@ def test_half_panels_refuse_values_they_would_round():
         PackedLinear(lin, torch.float64)
 
 
+def test_step_floor_reads_half_panels_at_their_size():
+    """bench/step_floor.py's bytes-read floor counts a half panel's weights at 2 bytes, a float32 panel's at 4."""
+    from bench.step_floor import linear_numel
+
+    lin = nn.Linear(64, 32, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.bfloat16().float())
+    model = nn.Sequential(PackedLinear(lin), PackedLinear(lin, torch.bfloat16), PackedLinear(lin, torch.float16))
+    assert linear_numel(model) == (3 * 64 * 32, 64 * 32 * (4 + 2 + 2))
+
+
 def test_packed_linear_keeps_leading_dims_and_takes_strided_input():
     lin = nn.Linear(16, 24)
     layer = PackedLinear(lin)
