@@ -7,11 +7,11 @@ A vLLM user's launch line may carry `--dtype bfloat16` or `--dtype half`. On a C
 AVX512-BF16, no AMX) torch's and oneDNN's bf16 GEMMs emulate it, and torch's float16 GEMMs on the CPU are as slow;
 kvllm's `auto` then keeps the weights in that dtype as packed panels its GEMM widens exactly to float32 in the tile
 (engine/linear_path.py `widen_applies`; bfloat16 on a CPU with AVX512-BF16 runs on bfloat16 panels instead,
-`panels_apply`). Engines, all through the public `Engine` API,
-alive together and run in turn each repeat: for each of bfloat16 and float16, `dtype=...` (what `auto` picks here,
-named by its startup line) and `dtype=..., gemm_backend="torch"` (F.linear in that dtype, the earlier pick); and
-`dtype="float32"` (the default here). Workloads, real-text prompts, greedy, ignore_eos: one sequence decoding
-(1 x 128/128), a batch (32 x 128/128, all at once), prefill (4 x 1024 prompt tokens, one output token each).
+`panels_apply`). Engines, all through the public `Engine` API, alive together and run in turn each repeat: for
+each of bfloat16 and float16, `dtype=...` (what `auto` picks here, named by its startup line) and
+`dtype=..., gemm_backend="torch"` (F.linear in that dtype, the earlier pick); and `dtype="float32"` (the default
+here). Workloads, real-text prompts, greedy, ignore_eos: one sequence decoding (1 x 128/128), a batch
+(32 x 128/128, all at once), prefill (4 x 1024 prompt tokens, one output token each).
 Reported: output (prefill: prompt) tokens/s, the median over repeats, and the ratio to F.linear in the row's dtype
 (float32: to F.linear in bfloat16); and of 8 prompts, how many 64-token greedy continuations equal float32's.
 """
@@ -93,7 +93,8 @@ def main() -> None:
         f"\n\nkvllm {commit()}, SmolLM2-135M-Instruct (the .gguf, `Engine(model=\"smollm2\")`), 2 threads, KV pool "
         "2 GiB, prefix caching off, max_num_seqs 64, max_num_batched_tokens 2048. In brackets: the ratio to F.linear "
         f"in the row's dtype (float32's: to F.linear in bfloat16). Median of {args.repeats} runs, the engines alive "
-        "together and run in turn. What each engine ran, from its startup line:\n\n" + "\n".join(f"- {name}: {line}" for name, line in picked.items())
+        "together and run in turn. What each engine ran, from its startup line:\n\n"
+        + "\n".join(f"- {name}: {line}" for name, line in picked.items())
         + f"\n\nGreedy: 8 real-text prompts of 32 tokens, 64 new tokens each. {time.time() - t0:.0f} s.")
     print(body)
     if not args.no_write:

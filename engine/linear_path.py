@@ -10,13 +10,17 @@ from engine.loader import gguf_file
 from engine.models import bf16_panels, packed
 
 
-def _bf16_panels_run(config: EngineConfig, device: torch.device) -> bool:
-    """What both bf16-panel paths below need: an unsharded, unquantized model, every kernel choice 'auto', on a CPU
-    with AVX512-BF16 (the panels' dot products) whose C++ kernels load."""
+def _cpu_kernels_auto(config: EngineConfig, device: torch.device) -> bool:
+    """What every path below needs: an unsharded, unquantized model on the CPU, every kernel choice 'auto'."""
     return (device.type == "cpu" and config.tensor_parallel_size == 1 and config.quantization is None
             and config.gemm_backend == "auto" and config.layer_ops == "auto"
-            and config.attention_backend in ("auto", "cpu") and cpu_has_fast_bf16()
-            and bf16_panels.available() is None)
+            and config.attention_backend in ("auto", "cpu"))
+
+
+def _bf16_panels_run(config: EngineConfig, device: torch.device) -> bool:
+    """What both bf16-panel paths below need: the kernels auto, on a CPU with AVX512-BF16 (the panels' dot
+    products) whose C++ kernels load."""
+    return _cpu_kernels_auto(config, device) and cpu_has_fast_bf16() and bf16_panels.available() is None
 
 
 def row_split_applies(config: EngineConfig, device: torch.device) -> bool:
@@ -39,12 +43,10 @@ def panels_apply(config: EngineConfig, device: torch.device) -> bool:
 
 def widen_applies(config: EngineConfig, device: torch.device) -> bool:
     """Whether a half-precision model runs with float32 activations on packed panels of its own weights, which the
-    GEMM widens exactly to float32 in its tile (engine/models/packed.py `widen_linears`): bfloat16 where the CPU has no bf16 arithmetic (no AVX512-BF16 or AMX:
-    torch and oneDNN emulate it, several times slower), float16 on any CPU (kvllm has no float16 GEMM there). Weights
-    and KV pages keep the dtype asked (docs/benchmarks.md, "--dtype bfloat16 / float16 on a CPU without their
-    arithmetic")."""
+    GEMM widens exactly to float32 in its tile (engine/models/packed.py `widen_linears`): bfloat16 where the CPU has
+    no bf16 arithmetic (no AVX512-BF16 or AMX: torch and oneDNN emulate it, several times slower), float16 on any
+    CPU (kvllm has no float16 GEMM there). Weights and KV pages keep the dtype asked (docs/benchmarks.md, "--dtype
+    bfloat16 / float16 on a CPU without their arithmetic")."""
     dtype = parse_dtype(config.dtype, device)
     half = dtype == torch.float16 or (dtype == torch.bfloat16 and not cpu_has_fast_bf16())
-    return (half and device.type == "cpu" and config.tensor_parallel_size == 1 and config.quantization is None
-            and config.gemm_backend == "auto" and config.layer_ops == "auto"
-            and config.attention_backend in ("auto", "cpu") and packed.kernel_missing() is None)
+    return half and _cpu_kernels_auto(config, device) and packed.kernel_missing() is None
