@@ -81,13 +81,20 @@ def timed(fn, repeats: int, warmup: bool = True) -> list[float]:
 NO_BF16 = "no AVX512-BF16 / AMX"
 
 
+def cpu_flags() -> list[str] | None:
+    """The first CPU's flags in /proc/cpuinfo (None where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return None
+
+
 def bf16_features() -> str:
     """The CPU features that decide both servers' default dtype against vLLM (bfloat16 with either; without, kvllm
     picks float32 and vLLM still bfloat16)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
+    flags = cpu_flags()
+    if flags is None:
         return "?"
     return ", ".join(x for x in ("avx512_bf16", "amx_tile") if x in flags) or NO_BF16
 
@@ -96,6 +103,13 @@ def host_suffix() -> str:
     """Appended to the title of a vs-vLLM section at the servers' default dtypes on a CPU without AVX512-BF16 or
     AMX, so that host's table sits beside the bfloat16 hosts' one instead of replacing it."""
     return ", on a CPU without AVX512-BF16" if bf16_features() == NO_BF16 else ""
+
+
+def float32_host_suffix() -> str:
+    """Appended to the float32 vs-vLLM section's title on a CPU without AVX-512: both servers run their float32 GEMMs
+    on 8-wide FMAs there, a different contest from the AVX-512 hosts' table, which it sits beside."""
+    flags = cpu_flags()
+    return ", on a CPU without AVX-512" if flags is not None and "avx512f" not in flags else ""
 
 
 def cpu_name() -> str:

