@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import text_prompts, write_section
+from bench.common import float32_host_suffix, text_prompts, write_section
 from bench.vllm_env import ROOT, check_greedy_equal, ensure_model_dir, ensure_venv, venv_python, vllm_version
 from bench.vs_vllm_matrix import run as run_matrix
 from bench.vs_vllm_report import render, section
@@ -339,6 +339,8 @@ def main() -> None:
     for row in data.get("serving", []):
         if row["client"] == "vllm" and row["server"] == "kvllm":  # issue 25: vLLM's client against kvllm
             suffix = {"float32": "", "bfloat16": "_bf16"}.get(args.dtype, f"_{args.dtype}")
+            if args.dtype == "float32" and float32_host_suffix():  # beside the AVX-512 hosts' file, as its section
+                suffix = "_no_avx512"
             dst = results / f"vllm_bench_serve_vs_kvllm_t{row['threads']}{suffix}.json"
             dst.write_text(Path(row["result_path"]).read_text())
     write_section(section(args.dtype), "python -m bench.vs_vllm " + " ".join(sys.argv[1:]), body)
